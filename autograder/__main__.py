@@ -1,0 +1,35 @@
+"""The course's command line: `python -m autograder build|grade|demo`."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import ROOT, build, grade
+
+SAMPLES = ROOT / "autograder" / "samples" / "submitted"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m autograder", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="regenerate notebooks/, solutions/ and the engine from source/")
+    b.add_argument("--check", action="store_true", help="only report what is out of date; exit 1 if anything is")
+    b.add_argument("--no-execute", action="store_true", help="do not execute solutions whose source changed")
+    g = sub.add_parser("grade", help="autograde a folder laid out as submitted/<student>/<assignment>/")
+    g.add_argument("submissions", type=Path)
+    g.add_argument("--out", type=Path, default=ROOT / "build" / "grades")
+    d = sub.add_parser("demo", help="grade the sample submissions and print the table")
+    d.add_argument("--out", type=Path, default=ROOT / "build" / "demo")
+    args = parser.parse_args()
+
+    if args.command == "build":
+        return build.main((["--check"] if args.check else []) + (["--no-execute"] if args.no_execute else []))
+    submissions = SAMPLES if args.command == "demo" else args.submissions
+    scores = grade.grade(submissions, args.out)
+    print(grade.table(scores))
+    print(f"\ngrades: {args.out / 'grades.csv'}\nfeedback: {args.out / 'feedback'}/<student>/<assignment>/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""nbgrader configuration: the repository root is the course directory.
+
+source/ holds the instructor's notebooks, notebooks/ is the release folder learners open, and
+submitted/, autograded/ and feedback/ (gitignored) are where an instructor's class lands, so the
+usual `nbgrader generate_assignment 01_online_softmax` and `nbgrader autograde 01_online_softmax`
+work from here. `make demo` and `python -m autograder grade` point the same configuration at
+other folders.
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# Hidden checks live in autograder/, which learners do not install: make it importable here and
+# in the grading kernels, which inherit this environment.
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+from autograder import feedback  # noqa: E402  (needs ROOT on sys.path)
+
+c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
+
+c.CourseDirectory.root = ROOT
+c.CourseDirectory.course_id = "flashattention"
+c.CourseDirectory.source_directory = "source"
+c.CourseDirectory.release_directory = "notebooks"
+c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "gradebook.db")
+
+# The whole notebook is graded, including the set-up cell: a slow CPU and Triton's interpreter
+# need more than nbgrader's 30 s default for one cell; an endless loop still ends.
+c.Execute.timeout = 300
+c.Execute.interrupt_on_timeout = True
+c.Execute.allow_errors = True
+
+# Feedback shows what a learner may see: no hidden test source, and errors as one plain message.
+c.GenerateFeedback.preprocessors = [
+    "nbgrader.preprocessors.GetGrades",
+    feedback.HideHiddenTests,
+    feedback.PlainErrors,
+    "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
+]
