@@ -13,6 +13,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m autograder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="regenerate notebooks/, solutions/ and the engine from source/")
+    b.add_argument("assignments", nargs="*", help="only these assignments (default: all of source/)")
     b.add_argument("--check", action="store_true", help="only report what is out of date; exit 1 if anything is")
     b.add_argument("--no-execute", action="store_true", help="do not execute solutions whose source changed")
     g = sub.add_parser("grade", help="autograde a folder laid out as submitted/<student>/<assignment>/")
@@ -23,7 +24,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.command == "build":
-        return build.main((["--check"] if args.check else []) + (["--no-execute"] if args.no_execute else []))
+        return build.main(args.assignments, check=args.check, execute_solutions=not args.no_execute)
     submissions = SAMPLES if args.command == "demo" else args.submissions
     scores = grade.grade(submissions, args.out)
     print(grade.table(scores))

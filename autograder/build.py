@@ -1,6 +1,6 @@
 """Build the course from source/: the learners' release, the executed solutions, the engine.
 
-    python -m autograder build            regenerate notebooks/, solutions/ and flashcourse/engine/
+    python -m autograder build [A ...]    regenerate notebooks/, solutions/ and flashcourse/engine/
     python -m autograder build --check    fail if any of them is out of date with source/
 
 source/<assignment>/<assignment>.ipynb is the single hand-written notebook of each assignment:
@@ -112,10 +112,10 @@ def _solution_is_current(assignment: str) -> bool:
     return meta.get("source_sha256") == _sha256(source_notebook(assignment))
 
 
-def build(execute_solutions: bool = True) -> None:
-    """Regenerate everything generated from source/."""
+def build(only: list[str] | None = None, execute_solutions: bool = True) -> None:
+    """Regenerate everything generated from source/ (or from the assignments named in `only`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        for assignment in assignments():
+        for assignment in only or assignments():
             print(f"build: {assignment}", flush=True)
             release(assignment, RELEASE, Path(tmp) / "gradebook.db")
             text = engine_source(assignment)
@@ -128,11 +128,11 @@ def build(execute_solutions: bool = True) -> None:
                 nbformat.write(execute(solution_cells(assignment), out), out / f"{assignment}.ipynb")
 
 
-def drift() -> list[str]:
+def drift(only: list[str] | None = None) -> list[str]:
     """What is out of date with source/: empty when the committed build is current."""
     problems = []
     with tempfile.TemporaryDirectory() as tmp:
-        for assignment in assignments():
+        for assignment in only or assignments():
             fresh = release(assignment, Path(tmp) / "release", Path(tmp) / "gradebook.db")
             committed = RELEASE / assignment / fresh.name
             if not committed.exists() or committed.read_text() != fresh.read_text():
@@ -148,10 +148,14 @@ def drift() -> list[str]:
     return problems
 
 
-def main(argv: list[str]) -> int:
-    if "--check" in argv:
-        problems = drift()
+def main(only: list[str], check: bool = False, execute_solutions: bool = True) -> int:
+    unknown = sorted(set(only) - set(assignments()))
+    if unknown:
+        print(f"build: no such assignment in source/: {', '.join(unknown)}")
+        return 2
+    if check:
+        problems = drift(only)
         print("\n\n".join(problems) if problems else "build: notebooks/, solutions/ and the engine are current")
         return 1 if problems else 0
-    build(execute_solutions="--no-execute" not in argv)
+    build(only, execute_solutions)
     return 0

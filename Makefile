@@ -1,0 +1,40 @@
+# The course's commands. Each creates the virtual environment it needs when it is missing.
+#   make demo    build, grade the sample submissions, print the table (grades.csv and feedback in build/demo)
+#   make test    the whole test suite (what CI runs)
+#   make build   regenerate notebooks/, solutions/ and flashcourse/engine/ from source/
+#   make lab     open JupyterLab on notebooks/
+#   make grade SUBMISSIONS=dir   grade a folder laid out as submitted/<student>/<assignment>/
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch: an unpinned torch would pull a CUDA build of several GB.
+TORCH := torch==2.13.0
+SUBMISSIONS ?= submitted
+
+.PHONY: demo test build lab grade clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/python -m autograder demo
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest
+
+build: $(BIN)/.installed
+	$(BIN)/python -m autograder build
+
+lab: $(BIN)/.installed
+	$(BIN)/jupyter lab notebooks/
+
+grade: $(BIN)/.installed
+	$(BIN)/python -m autograder grade $(SUBMISSIONS)
+
+clean:
+	rm -rf build gradebook.db autograded feedback
