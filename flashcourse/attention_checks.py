@@ -1,0 +1,370 @@
+"""Checks for attention on tensors, whose failure messages name the learner's likely mistake.
+
+An attention function under test takes q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] (and
+keyword arguments such as positions or a tile size) and returns [B, Hq, T, Dv] in q's dtype. The
+checks compare it with `flashcourse.reference.attention` (float64). When they differ, the output is
+compared with deliberately wrong versions of the reference, one per classic mistake, and the
+message says which one it matches and where (batch, head, query row):
+
+    offset_ignored     query i placed at position i instead of S - T + i
+    gqa_modulo         query head h reads KV head h % Hkv instead of h // (Hq // Hkv)
+    no_scale           scores not multiplied by 1/sqrt(D)
+    scale_over_d       scores multiplied by 1/D instead of 1/sqrt(D)
+    mask_off_by_one    a key is visible when key < query instead of key <= query
+    no_causal_mask     every query sees every key
+    l_not_rescaled     (tiled) l not multiplied by alpha when the maximum rises
+    a_not_rescaled     (tiled) the accumulator not multiplied by alpha
+    per_tile_softmax   (tiled) each key tile normalized by itself
+
+NaN output where the reference is finite is reported as the -inf - -inf of a row whose first
+tile had no visible key. Tolerances per dtype are the constants in TOLERANCES.
+
+    from flashcourse import attention_checks as ac
+    cases = ac.standard_cases(torch.float32)
+    ac.check_attention(my_attention, cases)                     # uses TOLERANCES[float32]
+    ac.check_attention(my_attention, [c.with_kwargs(tile=4) for c in cases], tile_arg="tile")
+
+References: Vaswani et al. (2017), attention; Ainslie et al. (2023), grouped-query attention;
+Dao et al. (2022), FlashAttention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+import torch
+
+from . import recurrence, reference
+
+# (rtol, atol) against the float64 reference, per dtype of the inputs. float32 allows for a
+# different summation order; bf16 (8-bit mantissa) and fp16 (11-bit) allow for rounding of the
+# inputs, of p cast to the value dtype, and of the output.
+FLOAT64_TOL = (1e-9, 1e-10)
+FLOAT32_TOL = (1e-4, 1e-4)
+BFLOAT16_TOL = (2e-2, 2e-2)
+FLOAT16_TOL = (5e-3, 5e-3)
+TOLERANCES = {
+    torch.float64: FLOAT64_TOL,
+    torch.float32: FLOAT32_TOL,
+    torch.bfloat16: BFLOAT16_TOL,
+    torch.float16: FLOAT16_TOL,
+}
+
+NAN_HINT = ("a query row's first tile had no visible key: its maximum m was still -inf, and "
+            "exp(-inf - -inf) is NaN. Use a safe reference (for example 0) for rows that have seen "
+            "no visible key yet")
+
+# The classic mistakes the checks recognise, by name, in the learner's words.
+BUGS = {
+    "offset_ignored": "the query offset was ignored: query row i was placed at position i instead of "
+                      "S - T + i, so with T < S each query saw too few keys",
+    "gqa_modulo": "query head h read KV head h % Hkv instead of h // (Hq // Hkv)",
+    "no_scale": "the scores were not multiplied by 1/sqrt(D)",
+    "scale_over_d": "the scores were multiplied by 1/D instead of 1/sqrt(D)",
+    "mask_off_by_one": "the causal mask used key < query instead of key <= query (a query must see "
+                       "the key at its own position)",
+    "no_causal_mask": "there was no causal mask: every query saw every key, including later ones",
+    **{name: words for name, words in recurrence.BUGS.items() if name is not None},
+}
+TILED_BUGS = tuple(name for name in recurrence.BUGS if name is not None)
+WHOLE_BUGS = tuple(name for name in BUGS if name not in TILED_BUGS)
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing an output computed in `dtype` with the float64 reference."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance for {dtype}; known: {list(TOLERANCES)}")
+    return TOLERANCES[dtype]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of an attention function: its inputs, its keyword arguments, and how to describe it.
+
+    `query_positions` and `key_positions` are what the reference uses ([T] or [B, T], None for the
+    default offset S - T); `kwargs` is what the function under test receives besides q, k, v.
+    """
+
+    name: str
+    q: torch.Tensor                     # [B, Hq, T, D]
+    k: torch.Tensor                     # [B, Hkv, S, D]
+    v: torch.Tensor                     # [B, Hkv, S, Dv]
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+    kwargs: dict = field(default_factory=dict)
+
+    def with_kwargs(self, **kwargs) -> "Case":
+        """The same inputs, called with extra keyword arguments (a tile size, block sizes...)."""
+        return replace(self, kwargs={**self.kwargs, **kwargs})
+
+    def to(self, device=None, dtype=None) -> "Case":
+        """The same case on another device or in another floating dtype (positions stay integers)."""
+        move = lambda x: None if x is None else x.to(device=device)  # noqa: E731
+        return replace(self, q=self.q.to(device, dtype), k=self.k.to(device, dtype), v=self.v.to(device, dtype),
+                       query_positions=move(self.query_positions), key_positions=move(self.key_positions),
+                       kwargs={key: (x.to(device) if isinstance(x, torch.Tensor) else x)
+                               for key, x in self.kwargs.items()})
+
+    @property
+    def shape_text(self) -> str:
+        b, hq, t, d = self.q.shape
+        return f"B={b}, Hq={hq}, Hkv={self.k.shape[1]}, T={t}, S={self.k.shape[2]}, D={d}"
+
+    def describe(self) -> str:
+        extra = "".join(f", {key}={_short(x)}" for key, x in self.kwargs.items())
+        return f"case '{self.name}' [{self.shape_text}{extra}]"
+
+    def call(self, fn: Callable) -> torch.Tensor:
+        return fn(self.q, self.k, self.v, **self.kwargs)
+
+    def expected(self) -> torch.Tensor:
+        """The float64 reference output [B, Hq, T, Dv]."""
+        return reference.attention(self.q, self.k, self.v, self.query_positions, self.key_positions)
+
+
+def _short(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor{list(x.shape)}" if x.numel() > 8 else str(x.tolist())
+    return repr(x)
+
+
+def make_case(name: str, batch: int = 1, q_heads: int = 2, kv_heads: int = 1, t: int = 8, s: int | None = None,
+              d: int = 16, dv: int | None = None, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
+              score_scale: float = 1.0, query_positions=None, key_positions=None, query_offset: int | None = None,
+              pass_positions: bool = True, **kwargs) -> Case:
+    """Seeded random inputs for one case.
+
+    score_scale multiplies q, so the scores grow by that factor (large scores test the running max).
+    Positions given here are used by the reference and, when pass_positions, passed to the function
+    as query_positions= / key_positions=. query_offset (for functions taking an offset instead of
+    positions) is passed as query_offset= and the reference places query i at query_offset + i.
+    """
+    s = t if s is None else s
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, t, d, generator=gen, dtype=torch.float64) * score_scale
+    k = torch.randn(batch, kv_heads, s, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, s, dv or d, generator=gen, dtype=torch.float64)
+    qp = None if query_positions is None else torch.as_tensor(query_positions)
+    kp = None if key_positions is None else torch.as_tensor(key_positions)
+    if pass_positions:
+        kwargs = {**({"query_positions": qp} if qp is not None else {}),
+                  **({"key_positions": kp} if kp is not None else {}), **kwargs}
+    if query_offset is not None:
+        if qp is not None:
+            raise ValueError("give query_positions or query_offset, not both")
+        kwargs["query_offset"] = query_offset
+        qp = torch.arange(t) + query_offset
+    return Case(name, q, k, v, qp, kp, kwargs).to(device, dtype)
+
+
+def standard_cases(dtype: torch.dtype = torch.float32, device="cpu", d: int = 16, seed: int = 0) -> list[Case]:
+    """Prefill, chunked prefill, decode, GQA, batches, a value dim different from D, large scores.
+
+    No case gives positions, so a function that takes only q, k, v (offset S - T) can run all of them.
+    """
+    specs = [
+        ("prefill", dict(batch=1, q_heads=2, kv_heads=2, t=16, s=16)),
+        ("chunked prefill (T < S)", dict(batch=2, q_heads=2, kv_heads=2, t=5, s=19)),
+        ("decode (T = 1)", dict(batch=2, q_heads=4, kv_heads=4, t=1, s=23)),
+        ("GQA, 4 query heads per KV head", dict(batch=1, q_heads=8, kv_heads=2, t=12, s=12)),
+        ("GQA chunked prefill", dict(batch=2, q_heads=6, kv_heads=3, t=7, s=20)),
+        ("large scores", dict(batch=1, q_heads=2, kv_heads=1, t=9, s=9, score_scale=30.0)),
+    ]
+    return [make_case(name, d=d, dtype=dtype, device=device, seed=seed + i, **spec)
+            for i, (name, spec) in enumerate(specs)]
+
+
+def _positions(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    b, _, t, _ = case.q.shape
+    s = case.k.shape[2]
+    return (reference.positions(case.query_positions, b, t, s - t, "cpu").cpu(),
+            reference.positions(case.key_positions, b, s, 0, "cpu").cpu())
+
+
+def _scores_and_mask(case: Case, bug: str | None = None):
+    """float64 scores [B, Hq, T, S], values [B, Hq, S, Dv] and mask [B, 1, T, S], with `bug` injected."""
+    q, k, v = (x.detach().cpu().double() for x in (case.q, case.k, case.v))
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    heads = torch.arange(hq) % hkv if bug == "gqa_modulo" else torch.arange(hq) // group
+    k, v = k[:, heads], v[:, heads]
+    scale = {"no_scale": 1.0, "scale_over_d": 1.0 / d}.get(bug, 1.0 / math.sqrt(d))
+    scores = q @ k.transpose(-2, -1) * scale
+    qp, kp = _positions(case)
+    if bug == "offset_ignored" and case.query_positions is None:
+        qp = torch.arange(t).expand(b, t)
+    if bug == "mask_off_by_one":
+        mask = kp[:, None, None, :] < qp[:, None, :, None]
+    elif bug == "no_causal_mask":
+        mask = torch.ones(b, 1, t, s, dtype=torch.bool)
+    else:
+        mask = kp[:, None, None, :] <= qp[:, None, :, None]
+    return scores, v, mask
+
+
+def variant(case: Case, bug: str) -> torch.Tensor:
+    """The float64 output [B, Hq, T, Dv] that a function with mistake `bug` returns (NaN rows: no key)."""
+    if bug not in WHOLE_BUGS:
+        raise ValueError(f"unknown whole-matrix bug {bug!r}; choose one of {WHOLE_BUGS}")
+    scores, v, mask = _scores_and_mask(case, bug)
+    scores = scores.masked_fill(~mask, -math.inf)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def tiled_variant(case: Case, tile: int, bug: str | None = None) -> torch.Tensor:
+    """The float64 recurrence over key tiles of `tile` keys, with one of TILED_BUGS injected (or none)."""
+    if bug is not None and bug not in TILED_BUGS:
+        raise ValueError(f"unknown tiled bug {bug!r}; choose one of {TILED_BUGS}")
+    scores, v, mask = _scores_and_mask(case)
+    scores = scores.masked_fill(~mask, -math.inf)                # [B, Hq, T, S]
+    m = torch.full(scores.shape[:-1] + (1,), -math.inf, dtype=torch.float64)
+    l = torch.zeros_like(m)
+    a = torch.zeros(scores.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    for start in range(0, scores.shape[-1], tile):
+        s_tile = scores[..., start:start + tile]
+        m_new = torch.maximum(m, s_tile.amax(-1, keepdim=True))
+        ref = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        alpha = torch.exp(m - ref)
+        p = torch.exp(s_tile - ref)
+        tile_l, tile_a = p.sum(-1, keepdim=True), p @ v[..., start:start + tile, :]
+        if bug == "per_tile_softmax":
+            seen = tile_l > 0
+            l = l + seen.double()
+            a = a + torch.where(seen, tile_a / torch.where(seen, tile_l, torch.ones_like(tile_l)), 0.0)
+        else:
+            l = (l if bug == "l_not_rescaled" else alpha * l) + tile_l
+            a = (a if bug == "a_not_rescaled" else alpha * a) + tile_a
+        m = m_new
+    return a / l
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Elementwise |got - want| <= atol + rtol |want| (False where either is NaN)."""
+    return (got - want).abs() <= atol + rtol * want.abs()
+
+
+def _where(case: Case, index: tuple[int, ...]) -> str:
+    b, h, i = index[:3]
+    qp, _ = _positions(case)
+    return f"batch {b}, head {h}, query row {i} (position {int(qp[b, i])})"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def _matching_bug(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: float, atol: float,
+                  tile: int | None) -> str | None:
+    """The name of the mistake whose output `got` equals (where that mistake's output is defined)."""
+    candidates = [(bug, lambda bug=bug: variant(case, bug)) for bug in WHOLE_BUGS]
+    if tile is not None:
+        candidates += [(bug, lambda bug=bug: tiled_variant(case, tile, bug)) for bug in TILED_BUGS]
+    for bug, make in candidates:
+        wrong = make()
+        defined = wrong.isfinite().all(-1, keepdim=True).expand_as(wrong)
+        differs = ~_close(wrong, want, rtol, atol) & defined
+        if not bool(differs.any()):
+            continue                      # this mistake gives the right answer on this case
+        if bool(_close(got[defined], wrong[defined], 2 * rtol, 2 * atol).all()):
+            return bug
+    return None
+
+
+def explain_output(got, case: Case, rtol: float | None = None, atol: float | None = None,
+                   tile: int | None = None, what: str = "attention") -> str | None:
+    """None when `got` matches the reference for `case`, else a message naming where and which mistake.
+
+    `tile` is the key tile size the function was asked to use; when given, the tiled mistakes
+    (l or a not rescaled, softmax per tile) are recognised too.
+    """
+    where = f"{what}, {case.describe()}"
+    want = case.expected()                                      # [B, Hq, T, Dv] float64
+    if not isinstance(got, torch.Tensor):
+        return f"{where}: should return a torch.Tensor, got {type(got).__name__}"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{where}: output shape {list(got.shape)}, expected [B, Hq, T, Dv] = {list(want.shape)}"
+    if got.dtype != case.q.dtype:
+        return f"{where}: output dtype {got.dtype}, expected q's dtype {case.q.dtype}"
+    default_rtol, default_atol = tolerance(case.q.dtype)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    got = got.detach().cpu().double()
+    nan = torch.isnan(got)
+    if bool(nan.any()):
+        index = tuple(int(x) for x in nan.nonzero()[0])
+        rows = int(nan.any(-1).sum())
+        message = f"{where}: NaN at {_where(case, index)} ({rows} row(s) with NaN)."
+        off_by_one = variant(case, "mask_off_by_one")
+        empty = off_by_one.isnan()
+        if bool(nan.any(-1).eq(empty.any(-1)).all()) and bool(_close(got[~empty], off_by_one[~empty],
+                                                                         2 * rtol, 2 * atol).all()):
+            return f"{message} This is exactly what happens when {BUGS['mask_off_by_one']}: that row sees no key."
+        return f"{message} Likely cause: {NAN_HINT}."
+    if bool(torch.isinf(got).any()):
+        index = tuple(int(x) for x in torch.isinf(got).nonzero()[0])
+        return (f"{where}: inf at {_where(case, index)}. Subtract the running maximum before exponentiating, "
+                "so that exp never sees a large positive argument.")
+    ok = _close(got, want, rtol, atol)
+    if bool(ok.all()):
+        return None
+    error = ((got - want).abs() - rtol * want.abs()).masked_fill(ok, -math.inf)
+    index = tuple(int(x) for x in torch.unravel_index(error.argmax(), error.shape))
+    bad_rows = int((~ok).any(-1).sum())
+    total_rows = want.shape[0] * want.shape[1] * want.shape[2]
+    message = (f"{where}: wrong at {_where(case, index)}, output element {index[3]}: got {_fmt(got[index])}, "
+               f"expected {_fmt(want[index])} (tolerance rtol={rtol:g}, atol={atol:g}); "
+               f"{bad_rows} of {total_rows} query rows differ.")
+    bug = _matching_bug(got, case, want, rtol, atol, tile)
+    if bug:
+        return f"{message} This is exactly what happens when {BUGS[bug]}."
+    return message + " Check the scale 1/sqrt(D), the causal mask by position, and the KV head of each query head."
+
+
+def check_attention(fn: Callable, cases: Iterable[Case], rtol: float | None = None, atol: float | None = None,
+                    tile_arg: str | None = None) -> None:
+    """Call fn on every case and raise AssertionError at the first wrong output, naming the mistake.
+
+    rtol/atol default to TOLERANCES for the inputs' dtype. tile_arg names the keyword argument that
+    sets the key tile size (e.g. "tile" or "block_n"), so tiled mistakes are recognised too.
+    """
+    what = getattr(fn, "__name__", "attention")
+    for case in cases:
+        try:
+            got = case.call(fn)
+        except ValueError as error:
+            raise AssertionError(_explain_value_error(case, error, what)) from None
+        tile = case.kwargs.get(tile_arg) if tile_arg else None
+        problem = explain_output(got, case, rtol, atol, tile, what)
+        if problem:
+            raise AssertionError(problem)
+
+
+def _explain_value_error(case: Case, error: ValueError, what: str) -> str:
+    message = f"{what}, {case.describe()}: raised ValueError({str(error)!r}) although every query row sees a key."
+    if bool(variant(case, "mask_off_by_one").isnan().any()):
+        message += f" This is what happens when {BUGS['mask_off_by_one']}: the first query then sees nothing."
+    elif case.query_positions is None and bool(variant(case, "offset_ignored").isnan().any()):
+        message += f" Perhaps {BUGS['offset_ignored']}."
+    return message
+
+
+def check_raises(fn: Callable, case: Case, reason: str) -> None:
+    """fn must raise ValueError on `case`; `reason` says why, for the message."""
+    what = getattr(fn, "__name__", "attention")
+    try:
+        case.call(fn)
+    except ValueError:
+        return
+    except Exception as error:  # noqa: BLE001  (any other exception is the learner's bug, reported)
+        raise AssertionError(f"{what}, {case.describe()}: should raise ValueError ({reason}), "
+                             f"raised {type(error).__name__}: {error}") from None
+    raise AssertionError(f"{what}, {case.describe()}: should raise ValueError ({reason}), returned normally")
+
+
+def first_tile_empty_rows(case: Case, tile: int) -> torch.Tensor:
+    """[B, T] booleans: query rows whose first key tile holds no visible key (where the NaN bug bites)."""
+    _, _, mask = _scores_and_mask(case)
+    return ~mask[:, 0, :, :tile].any(-1)
