@@ -4,15 +4,14 @@ The autograded notebook holds the hidden tests (nbgrader restores them before ex
 full tracebacks that quote them. Feedback keeps the verdict and the check's message only.
 """
 
-from nbconvert.preprocessors import Preprocessor
-from nbgrader.preprocessors import ClearHiddenTests
+from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor
 
 
 class HideHiddenTests(ClearHiddenTests):
     """Remove the ### BEGIN/END HIDDEN TESTS region from every cell shown in feedback."""
 
 
-class PlainErrors(Preprocessor):
+class PlainErrors(NbGraderPreprocessor):
     """Replace each traceback by its last line: the exception and the check's message."""
 
     def preprocess_cell(self, cell, resources, index):

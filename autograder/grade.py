@@ -41,7 +41,7 @@ def read_scores(db: Path) -> list[Score]:
             for submission in gb.assignment_submissions(assignment.name):
                 for notebook in submission.notebooks:
                     for grade in notebook.grades:
-                        kind = "auto" if grade.auto_score is not None or grade.cell.name.startswith("test_") else "manual"
+                        kind = "auto" if grade.cell.cell_type == "code" else "manual"
                         scores.append(Score(submission.student.id, assignment.name, grade.name, kind,
                                             float(grade.score), float(grade.max_score)))
     return sorted(scores, key=lambda s: (s.student, s.assignment, s.question))

@@ -1,0 +1,60 @@
+"""The build: source/ is clean, and notebooks/, solutions/ and the engine are current with it."""
+
+import nbformat
+import pytest
+
+from autograder import build
+
+ASSIGNMENTS = build.assignments()
+SETUP_MARKERS = ('if "google.colab" in sys.modules:', "%pip install", "from flashcourse import runtime",
+                 "runtime.setup()")
+
+
+def _source(assignment):
+    return nbformat.read(build.source_notebook(assignment), as_version=4)
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_source_notebooks_carry_no_outputs(assignment):
+    """Notebooks in source/ are stored without outputs or execution counts."""
+    for i, cell in enumerate(_source(assignment).cells):
+        if cell.cell_type == "code":
+            assert not cell.outputs, f"{assignment} cell {i} has outputs: clear them before committing"
+            assert cell.execution_count is None, f"{assignment} cell {i} has an execution count"
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_every_notebook_starts_with_the_runtime_setup(assignment):
+    """The first code cell installs the package on Colab and calls runtime.setup()."""
+    first = next(c for c in _source(assignment).cells if c.cell_type == "code")
+    for marker in SETUP_MARKERS:
+        assert marker in first.source, f"{assignment}: the set-up cell lacks {marker!r}"
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_test_cells_are_thin_and_documented(assignment):
+    """Every autograded test cell starts with a one-line docstring and keeps a visible assertion."""
+    for cell in _source(assignment).cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and meta.get("grade"):
+            first_line = cell.source.split("\n", 1)[0]
+            visible = build.HIDDEN_TESTS.sub("", cell.source)
+            assert first_line.startswith('"""') and first_line.endswith('"""') and len(first_line) > 6, \
+                f"{assignment}/{meta['grade_id']}: first line must be a one-line docstring"
+            assert "assert " in visible, f"{assignment}/{meta['grade_id']}: keep at least one visible assertion"
+
+
+@pytest.mark.slow
+def test_committed_build_is_current():
+    """notebooks/ equals a fresh release, the engine equals the export, solutions match their source."""
+    problems = build.drift()
+    assert not problems, "\n\n".join(problems) + "\n\nRun `make build` and commit the result."
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_release_hides_solutions_and_hidden_tests(assignment):
+    """The learner's notebook has stubs that raise NotImplementedError and no hidden test."""
+    text = (build.RELEASE / assignment / f"{assignment}.ipynb").read_text()
+    assert "raise NotImplementedError()" in text
+    for leak in ("BEGIN SOLUTION", "HIDDEN TESTS", "autograder.hidden", "Rubric"):
+        assert leak not in text, f"notebooks/{assignment} leaks {leak!r}"

@@ -1,0 +1,26 @@
+"""environment.yml (conda) and pyproject.toml (pip) list the same packages."""
+
+import re
+import tomllib
+
+import yaml
+
+from conftest import ROOT
+
+CONDA_NAMES = {"pytorch": "torch"}  # conda-forge names that differ from PyPI's
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~ \[]", requirement.strip(), maxsplit=1)[0].lower()
+
+
+def test_conda_and_pip_dependencies_agree():
+    """Every package of pyproject.toml (with its dev extra) is in environment.yml, with the same bounds."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pip = {_name(r): r.replace(" ", "") for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    conda = {}
+    for dep in yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]:
+        if isinstance(dep, str) and _name(dep) not in ("python", "pip"):
+            name = CONDA_NAMES.get(_name(dep), _name(dep))
+            conda[name] = name + dep.replace(" ", "")[len(_name(dep)):]
+    assert pip == conda
