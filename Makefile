@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 SUBMISSIONS ?= submitted
 
-.PHONY: demo test build lab grade clean
+.PHONY: install demo test build lab grade clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@
+
+install: $(BIN)/.installed
 
 demo: $(BIN)/.installed
 	$(BIN)/python -m autograder demo
