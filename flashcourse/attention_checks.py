@@ -368,3 +368,105 @@ def first_tile_empty_rows(case: Case, tile: int) -> torch.Tensor:
     """[B, T] booleans: query rows whose first key tile holds no visible key (where the NaN bug bites)."""
     _, _, mask = _scores_and_mask(case)
     return ~mask[:, 0, :, :tile].any(-1)
+
+
+def recognise(got, case: Case, tile: int | None = None) -> str | None:
+    """"correct" when `got` matches the reference, the name of the mistake it matches, else None."""
+    if explain_output(got, case, tile=tile) is None:
+        return "correct"
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(case.expected().shape):
+        return None
+    rtol, atol = tolerance(case.q.dtype)
+    return _matching_bug(got.detach().cpu().double(), case, case.expected(), rtol, atol, tile)
+
+
+def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
+    """fn must compute attention without creating a floating-point tensor of T * S elements or more.
+
+    The full score matrix of one (batch, head) alone has T * S elements; a tiled implementation's
+    largest tensor is about B * Hq * T * tile elements, far smaller for the case given (tile < S). The
+    output must still be attention (correct, or one of the recognised mistakes, graded elsewhere).
+    """
+    from .memory import AllocationTracker
+
+    what = getattr(fn, "__name__", "attention")
+    _, _, t, _ = case.q.shape
+    s = case.k.shape[2]
+    with AllocationTracker() as tracker:
+        got = case.call(fn)
+    too_big = tracker.created(t * s)
+    if too_big:
+        biggest = max(too_big, key=lambda a: a.numel)
+        raise AssertionError(
+            f"{what}, {case.describe()}: created a {biggest.dtype} tensor of shape {list(biggest.shape)} "
+            f"({biggest.numel} elements, from {biggest.op}), as large as the whole [T, S] = [{t}, {s}] score "
+            f"matrix. Compute the scores one key tile at a time ([.., T, {case.kwargs.get(tile_arg)}] each) "
+            "and never keep them all.")
+    if recognise(got, case, case.kwargs.get(tile_arg)) is None:
+        raise AssertionError(f"{what}, {case.describe()}: the output is not attention (it matches neither the "
+                             "reference nor any recognised mistake), so its memory use is not graded.")
+
+
+def partial_states(case: Case, bounds: Iterable[tuple[int, int]], dtype: torch.dtype = torch.float32):
+    """Exact (m [B,Hq,T,1], l [B,Hq,T,1], a [B,Hq,T,Dv]) of the keys [start, stop) of each bound, in dtype.
+
+    A row that sees no key of a chunk gets the empty state m = -inf, l = 0, a = 0.
+    """
+    scores, v, mask = _scores_and_mask(case)
+    scores = scores.masked_fill(~mask, -math.inf)
+    parts = []
+    for start, stop in bounds:
+        s = scores[..., start:stop]
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        parts.append(tuple(x.to(dtype) for x in (m, p.sum(-1, keepdim=True), p @ v[..., start:stop, :])))
+    return parts
+
+
+def _merged_output_and_lse(parts):
+    """What any correct merge must give: the output a / l and log-sum-exp m + log l, in float64."""
+    m = torch.stack([p[0].double() for p in parts]).amax(0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    l = sum(torch.exp(p[0].double() - m_safe) * p[1].double() for p in parts)
+    a = sum(torch.exp(p[0].double() - m_safe) * p[2].double() for p in parts)
+    return a / l, m + torch.log(l)
+
+
+def check_merge_partials(merge: Callable, parts, rtol: float = 1e-5, atol: float = 1e-5,
+                         what: str = "merge_partials") -> None:
+    """merge(parts) must return (m, l, a) with a / l and m + log(l) equal to the exact merge.
+
+    Only a / l (the output) and m + log l (the row's log-sum-exp) are compared, so a merge that picks
+    another reference than max m_i, or works with log-sum-exps, is accepted. Rows empty in every part
+    are skipped.
+    """
+    parts = [tuple(x.clone() for x in part) for part in parts]
+    want_out, want_lse = _merged_output_and_lse(parts)
+    result = merge([tuple(x.clone() for x in part) for part in parts])
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        raise AssertionError(f"{what} should return the tuple (m, l, a), got {type(result).__name__}")
+    m, l, a = (torch.as_tensor(x).detach().cpu().double() for x in result)
+    if tuple(a.shape) != tuple(want_out.shape) or tuple(l.shape) != tuple(want_lse.shape) or \
+            tuple(m.shape) != tuple(want_lse.shape):
+        raise AssertionError(f"{what}: shapes m {list(m.shape)}, l {list(l.shape)}, a {list(a.shape)}; expected "
+                             f"m and l {list(want_lse.shape)} ([B, Hq, T, 1]) and a {list(want_out.shape)}")
+    seen = torch.isfinite(want_lse)                                   # [B, Hq, T, 1]
+    got_out, got_lse = a / l, m + torch.log(l)
+    if bool(torch.isnan(got_out[seen.expand_as(got_out)]).any()):
+        raise AssertionError(f"{what} of {len(parts)} parts gave NaN: a part in which a row saw no key has "
+                             "m = -inf, l = 0, a = 0; exp(m_i - m) must be taken against the largest m, "
+                             "which is finite.")
+    bad_out = ~_close(got_out, want_out, rtol, atol) & seen
+    bad_lse = ~_close(got_lse, want_lse, rtol, atol) & seen
+    if not bool(bad_out.any() or bad_lse.any()):
+        return
+    index = tuple(int(x) for x in (bad_out if bool(bad_out.any()) else bad_lse.expand_as(bad_out)).nonzero()[0])
+    b, h, i = index[:3]
+    naive_out = sum(p[2].double() for p in parts) / sum(p[1].double() for p in parts)
+    message = (f"{what} of {len(parts)} parts: wrong at batch {b}, head {h}, query row {i}: a / l = "
+               f"{_fmt(got_out[index])} (expected {_fmt(want_out[index])}), m + log(l) = "
+               f"{_fmt(got_lse[b, h, i, 0])} (expected {_fmt(want_lse[b, h, i, 0])}).")
+    if bool(_close(got_out[seen.expand_as(got_out)], naive_out[seen.expand_as(got_out)], 2 * rtol, 2 * atol).all()):
+        message += (" The partial l_i and a_i were added without rescaling each by exp(m_i - m), "
+                    "m = the largest m_i.")
+    raise AssertionError(message)
