@@ -1,0 +1,66 @@
+"""The exported Triton kernel on this machine (Triton's interpreter on a CPU), on small shapes."""
+
+import pytest
+import torch
+
+from flashcourse import attention_checks as ac
+from flashcourse import kernel_checks as kc
+from flashcourse import runtime
+from flashcourse.engine.triton_flash import flash_attention
+
+RT = runtime.current()
+
+
+def test_standard_cases():
+    """Prefill, chunked prefill, decode, GQA and large scores, with 16 x 16 blocks."""
+    cases = [c.with_kwargs(block_m=16, block_n=16) for c in ac.standard_cases(RT.dtype, RT.device)]
+    kc.check_cases(flash_attention, cases)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (16, 32), (32, 16), (64, 32)])
+def test_blocks_not_dividing_t(block_m, block_n):
+    """T = 45 and S = 51 divide by no block size; GQA with 2 query heads per KV head."""
+    c = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=block_m, block_n=block_n,
+                dtype=RT.dtype, device=RT.device)
+    kc.check_cases(flash_attention, [c])
+
+
+def test_explicit_offset_and_nan_past_the_queries():
+    """Queries in the middle of a cache whose tail is NaN: right, and finite."""
+    c = kc.case("middle", q_heads=2, kv_heads=1, t=12, s=80, query_offset=25, block_m=16, block_n=16,
+                dtype=RT.dtype, device=RT.device)
+    kc.check_block_skipping(flash_attention, [c])
+
+
+def test_window_matches_reference_and_skips_tiles():
+    """window=w against reference.attention(window=w); NaN before the window is never read."""
+    kc.check_window(flash_attention, [kc.case("window", q_heads=2, kv_heads=2, t=40, window=6, block_m=16,
+                                              block_n=16, dtype=RT.dtype, device=RT.device)])
+    kc.check_block_skipping(flash_attention, [kc.case("window decode", q_heads=2, kv_heads=1, t=1, s=70, window=9,
+                                                      block_m=16, block_n=16, dtype=RT.dtype, device=RT.device)])
+
+
+def test_validation():
+    """ValueError before launch: D = 24, D = 8, Hq % Hkv != 0, k and v on another device."""
+    kc.check_validation(flash_attention, RT.device, RT.dtype)
+
+
+def test_negative_offset_and_window_rejected():
+    """A query before key 0 sees nothing, and a window must hold at least the query's own key."""
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(ValueError):
+        flash_attention(q, q, q, query_offset=-1)
+    with pytest.raises(ValueError):
+        flash_attention(q, q, q, window=0)
+
+
+def test_checks_name_the_classic_kernel_bugs():
+    """kernel_checks recognises an ignored query_offset and a kernel that reads NaN keys."""
+    c = kc.case("middle", q_heads=1, kv_heads=1, t=6, s=60, query_offset=10, block_m=16, block_n=16)
+    ignores_offset = lambda q, k, v, query_offset=None, **kw: flash_attention(q, k, v, query_offset=0, **kw)  # noqa: E731
+    with pytest.raises(AssertionError, match="query_offset=10 was ignored"):
+        kc.check_cases(ignores_offset, [c])
+    # A stand-in for a kernel without block skipping: its output depends on every value, NaN ones too.
+    reads_all = lambda q, k, v, **kw: flash_attention(q, k, v, **kw) + 0 * v.sum()  # noqa: E731
+    with pytest.raises(AssertionError, match="NaN"):
+        kc.check_block_skipping(reads_all, [c])
