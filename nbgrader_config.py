@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
-from autograder import feedback  # noqa: E402  (needs ROOT on sys.path)
+from autograder import preprocessors  # noqa: E402  (needs ROOT on sys.path)
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 
@@ -27,15 +27,27 @@ c.CourseDirectory.release_directory = "notebooks"
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "gradebook.db")
 
 # The whole notebook is graded, including the set-up cell: a slow CPU and Triton's interpreter
-# need more than nbgrader's 30 s default for one cell; an endless loop still ends.
+# need more than nbgrader's 30 s default for one cell; an endless loop is interrupted and the
+# later cells still run (nbgrader's Execute keeps going after errors).
 c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True
-c.Execute.allow_errors = True
+
+# Only an exception fails a test: warnings on stderr (torch and Triton print some) cost nothing.
+c.Autograde.autograde_preprocessors = [
+    "nbgrader.preprocessors.Execute",
+    preprocessors.StderrIsNotFailure,
+    "nbgrader.preprocessors.IgnorePattern",
+    "nbconvert.preprocessors.ClearMetadataPreprocessor",
+    "nbgrader.preprocessors.LimitOutput",
+    "nbgrader.preprocessors.SaveAutoGrades",
+    "nbgrader.preprocessors.AssignLatePenalties",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]
 
 # Feedback shows what a learner may see: no hidden test source, and errors as one plain message.
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
-    feedback.HideHiddenTests,
-    feedback.PlainErrors,
+    preprocessors.HideHiddenTests,
+    preprocessors.PlainErrors,
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
 ]

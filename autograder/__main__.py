@@ -1,6 +1,7 @@
 """The course's command line: `python -m autograder build|grade|demo`."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,16 +20,20 @@ def main() -> int:
     g = sub.add_parser("grade", help="autograde a folder laid out as submitted/<student>/<assignment>/")
     g.add_argument("submissions", type=Path)
     g.add_argument("--out", type=Path, default=ROOT / "build" / "grades")
+    g.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="students graded at once")
     d = sub.add_parser("demo", help="grade the sample submissions and print the table")
     d.add_argument("--out", type=Path, default=ROOT / "build" / "demo")
+    d.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="students graded at once")
     args = parser.parse_args()
 
     if args.command == "build":
         return build.main(args.assignments, check=args.check, execute_solutions=not args.no_execute)
     submissions = SAMPLES if args.command == "demo" else args.submissions
-    scores = grade.grade(submissions, args.out)
-    print(grade.table(scores))
-    print(f"\ngrades: {args.out / 'grades.csv'}\nfeedback: {args.out / 'feedback'}/<student>/<assignment>/")
+    outcomes = grade.grade(submissions, args.out, jobs=args.jobs)
+    print(grade.table(outcomes))
+    print("\n" + grade.summary(outcomes))
+    print(f"grades: {args.out / 'grades.csv'}\nfeedback: {args.out / 'feedback'}/<student>/<assignment>/\n"
+          f"summary: {args.out / 'summary.txt'}")
     return 0
 
 

@@ -1,20 +1,37 @@
-"""Grade a folder of submissions with nbgrader and report every student's score.
+"""Grade a folder of submissions with nbgrader, every student apart and several at once.
 
-    python -m autograder grade SUBMISSIONS [--out DIR]
+    python -m autograder grade SUBMISSIONS [--out DIR] [--jobs N]
 
-SUBMISSIONS is laid out as nbgrader's submitted/<student>/<assignment>/<assignment>.ipynb. For each
-assignment found, the grader registers it from source/ in a gradebook under DIR, runs
-`nbgrader autograde` and `nbgrader generate_feedback` against SUBMISSIONS, then writes
-DIR/grades.csv (one row per student, assignment and question) and prints a table.
+SUBMISSIONS is laid out as nbgrader's submitted/<student>/<assignment>/<assignment>.ipynb. Each
+assignment is registered once from source/ in a template gradebook. Each (student, assignment) is
+then graded on its own: the one notebook is copied into a scratch course folder with a copy of the
+template gradebook, `nbgrader autograde` and `nbgrader generate_feedback` run there under a time
+and memory limit, and the results are copied out. A student whose grading crashes or hangs gets
+zero for what was not graded and a line in the summary; the others are unaffected.
+
+DIR receives grades.csv (one row per student, assignment and question), feedback/<student>/
+<assignment>/, autograded/<student>/<assignment>/ and summary.txt (what went wrong, in words).
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .build import nbgrader
+from . import ROOT
+from .build import assignments as known_assignments
+
+STUDENT_TIMEOUT_S = 30 * 60     # a whole notebook; one cell is limited by nbgrader_config's Execute.timeout
+MEMORY_LIMIT_BYTES = 16 << 30   # address space of the grading processes (torch reserves some up front)
 
 
 @dataclass(frozen=True)
@@ -22,23 +39,55 @@ class Score:
     student: str
     assignment: str
     question: str     # the grade cell's id, e.g. test_tile_update or q1_unnormalized
-    kind: str         # "auto" for hidden-tested code, "manual" for answers graded by hand
+    kind: str         # "auto" for tested code, "manual" for answers graded by hand
     points: float
     max_points: float
 
 
-def found_assignments(submissions: Path) -> list[str]:
-    return sorted({p.name for student in submissions.iterdir() if student.is_dir()
-                   for p in student.iterdir() if p.is_dir()})
+@dataclass
+class Outcome:
+    student: str
+    assignment: str
+    scores: list[Score] = field(default_factory=list)
+    problem: str = ""  # empty when the notebook was graded normally
 
 
-def read_scores(db: Path) -> list[Score]:
+def nbgrader_cmd(*args: str, db: Path, folders: dict[str, Path]) -> list[str]:
+    return [sys.executable, "-m", "nbgrader", *args, f"--CourseDirectory.db_url=sqlite:///{db}",
+            "--log-level=WARN", *(f"--CourseDirectory.{k}_directory={v}" for k, v in folders.items())]
+
+
+def _environment() -> dict[str, str]:
+    # nbgrader runs `alembic` by name: put this interpreter's scripts first on PATH.
+    return {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
+
+
+def run_limited(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run cmd in its own process group under the memory limit; kill the whole group at the timeout."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=_limit_memory)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+
+
+def read_scores(db: Path, student: str | None = None) -> list[Score]:
     from nbgrader.api import Gradebook
 
     scores = []
     with Gradebook(f"sqlite:///{db}") as gb:
         for assignment in gb.assignments:
             for submission in gb.assignment_submissions(assignment.name):
+                if student is not None and submission.student.id != student:
+                    continue
                 for notebook in submission.notebooks:
                     for grade in notebook.grades:
                         kind = "auto" if grade.cell.cell_type == "code" else "manual"
@@ -47,47 +96,161 @@ def read_scores(db: Path) -> list[Score]:
     return sorted(scores, key=lambda s: (s.student, s.assignment, s.question))
 
 
-def write_csv(scores: list[Score], path: Path) -> None:
+def questions(db: Path) -> list[tuple[str, str, float]]:
+    """(question, kind, max points) of every grade cell registered in a template gradebook."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{db}") as gb:
+        return [(cell.name, "auto" if cell.cell_type == "code" else "manual", float(cell.max_score))
+                for assignment in gb.assignments for notebook in assignment.notebooks
+                for cell in notebook.grade_cells]
+
+
+def zeros(student: str, assignment: str, template: Path, problem: str) -> Outcome:
+    """No grade could be computed: zero on every question, with the reason."""
+    scores = [Score(student, assignment, q, kind, 0.0, most) for q, kind, most in questions(template)]
+    return Outcome(student, assignment, scores, problem)
+
+
+# What nbgrader's log says, and what it means for the student.
+KNOWN_FAILURES = [
+    ("NotJSONError", "the file is not a readable notebook (empty, truncated or not JSON)"),
+    ("DeadKernelError", "the notebook's kernel died (the notebook exited, or ran out of memory)"),
+    ("CellTimeoutError", "a cell ran past its time limit"),
+    ("MemoryError", "the notebook ran out of memory"),
+]
+
+
+def explain_failure(log: str) -> str:
+    """One plain sentence for an nbgrader failure, from its log."""
+    for marker, words in KNOWN_FAILURES:
+        if marker in log:
+            return words
+    lines = [line.strip() for line in log.splitlines() if "Error" in line]
+    return (lines or ["nbgrader failed without a message"])[-1][:300]
+
+
+def grade_one(student: str, assignment: str, notebook: Path, template: Path, out: Path,
+              cell_timeout: int | None = None) -> Outcome:
+    """Autograde one student's notebook in a scratch course folder and copy the results to `out`."""
+    with tempfile.TemporaryDirectory(prefix="flashcourse-grade-") as tmp:
+        scratch = Path(tmp)
+        folders = {"submitted": scratch / "submitted", "autograded": scratch / "autograded",
+                   "feedback": scratch / "feedback"}
+        target = folders["submitted"] / student / assignment
+        target.mkdir(parents=True)
+        shutil.copy(notebook, target / f"{assignment}.ipynb")
+        db = scratch / "gradebook.db"
+        shutil.copy(template, db)
+        limits = [f"--Execute.timeout={cell_timeout}"] if cell_timeout else []
+        code, log = run_limited(nbgrader_cmd("autograde", assignment, "--student", student, "--force", *limits,
+                                             db=db, folders=folders), STUDENT_TIMEOUT_S)
+        if code is None:
+            return zeros(student, assignment, template, f"grading stopped after {STUDENT_TIMEOUT_S} s")
+        scores = read_scores(db, student)
+        if code or not scores:
+            return zeros(student, assignment, template, f"the notebook could not be graded: {explain_failure(log)}")
+        run_limited(nbgrader_cmd("generate_feedback", assignment, "--student", student, "--force",
+                                 db=db, folders=folders), STUDENT_TIMEOUT_S)
+        for kind in ("autograded", "feedback"):
+            source = folders[kind] / student / assignment
+            if source.exists():
+                shutil.copytree(source, out / kind / student / assignment, dirs_exist_ok=True)
+        return Outcome(student, assignment, scores)
+
+
+def find_jobs(submissions: Path) -> tuple[list[tuple[str, str, Path]], list[Outcome]]:
+    """(student, assignment, notebook) for every submission, and outcomes for the ungradable ones."""
+    jobs, known = [], set(known_assignments())
+    unreadable: list[Outcome] = []
+    for folder in sorted(p for p in submissions.glob("*/*") if p.is_dir()):
+        student, assignment = folder.parent.name, folder.name
+        if assignment not in known:
+            unreadable.append(Outcome(student, assignment, problem=f"{assignment} is not an assignment of this course"))
+            continue
+        notebook = folder / f"{assignment}.ipynb"
+        if not notebook.exists():
+            others = sorted(p.name for p in folder.glob("*.ipynb"))
+            why = (f"no {notebook.name}; found {', '.join(others)} instead (notebooks must keep their name)"
+                   if others else f"no {notebook.name} was submitted")
+            unreadable.append(Outcome(student, assignment, problem=why))
+            continue
+        jobs.append((student, assignment, notebook))
+    return jobs, unreadable
+
+
+def register(assignment: str, templates: Path) -> Path:
+    """A gradebook holding the assignment's grade cells, copied for each student."""
+    db = templates / f"{assignment}.db"
+    folders = {"release": templates / "release"}
+    code, log = run_limited(nbgrader_cmd("generate_assignment", assignment, "--force", db=db, folders=folders), 600)
+    if code:
+        raise RuntimeError(f"nbgrader generate_assignment {assignment} failed:\n{log}")
+    return db
+
+
+def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
+          cell_timeout: int | None = None) -> list[Outcome]:
+    """Grade every student of every assignment under `submissions`; write grades, feedback and summary to `out`."""
+    from tqdm import tqdm
+
+    submissions, out = submissions.resolve(), out.resolve()
+    for kind in ("autograded", "feedback"):
+        shutil.rmtree(out / kind, ignore_errors=True)
+    (out / "templates").mkdir(parents=True, exist_ok=True)
+    todo, outcomes = find_jobs(submissions)
+    templates = {a: register(a, out / "templates") for a in sorted({a for _, a, _ in todo} |
+                                                                      {o.assignment for o in outcomes
+                                                                       if o.assignment in known_assignments()})}
+    outcomes = [zeros(o.student, o.assignment, templates[o.assignment], o.problem) if o.assignment in templates else o
+                for o in outcomes]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
+            tqdm(total=len(todo), desc="grading", unit="notebook", disable=not progress, file=sys.stdout) as bar:
+        futures = {pool.submit(grade_one, s, a, nb, templates[a], out, cell_timeout): (s, a) for s, a, nb in todo}
+        for future in as_completed(futures):
+            student, assignment = futures[future]
+            try:
+                outcomes.append(future.result())
+            except Exception as error:  # a grader fault must not lose the other students' grades
+                outcomes.append(zeros(student, assignment, templates[assignment], f"grader error: {error}"))
+            bar.set_postfix_str(f"{student}/{assignment}")
+            bar.update()
+    outcomes.sort(key=lambda o: (o.assignment, o.student))
+    write_csv(outcomes, out / "grades.csv")
+    (out / "summary.txt").write_text(summary(outcomes))
+    return outcomes
+
+
+def write_csv(outcomes: list[Outcome], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["student", "assignment", "question", "kind", "points", "max_points"])
-        for s in scores:
+        for s in (s for o in outcomes for s in o.scores):
             writer.writerow([s.student, s.assignment, s.question, s.kind, f"{s.points:g}", f"{s.max_points:g}"])
 
 
-def table(scores: list[Score]) -> str:
-    """Each student's autograded score per assignment, with the questions lost spelled out."""
+def summary(outcomes: list[Outcome]) -> str:
+    """What went wrong, one line per student and notebook, in plain words."""
+    problems = [f"- {o.student}, {o.assignment}: {o.problem}" for o in outcomes if o.problem]
+    graded = sum(not o.problem for o in outcomes)
+    head = f"{graded} of {len(outcomes)} notebooks graded normally."
+    return head + ("\nProblems:\n" + "\n".join(problems) if problems else " No problems.") + "\n"
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """Each student's autograded score per assignment, question by question."""
     lines = []
-    for assignment in sorted({s.assignment for s in scores}):
-        rows = [s for s in scores if s.assignment == assignment and s.kind == "auto"]
-        questions = sorted({s.question for s in rows})
-        students = sorted({s.student for s in rows})
-        width = max(len(x) for x in ["student", *students])
-        header = f"{'student':<{width}}  " + "  ".join(questions) + "  total"
-        lines += [f"\n{assignment} (autograded; answers to the questions are graded by hand)", header, "-" * len(header)]
-        for student in students:
-            mine = {s.question: s for s in rows if s.student == student}
-            cells = "  ".join(f"{mine[q].points:g}/{mine[q].max_points:g}".center(len(q)) for q in questions)
-            total = sum(s.points for s in mine.values())
-            out_of = sum(s.max_points for s in mine.values())
-            lines.append(f"{student:<{width}}  {cells}  {total:g}/{out_of:g}")
+    for assignment in sorted({o.assignment for o in outcomes}):
+        mine = [o for o in outcomes if o.assignment == assignment]
+        names = sorted({s.question for o in mine for s in o.scores if s.kind == "auto"})
+        width = max(len(x) for x in ["student", *(o.student for o in mine)])
+        header = f"{'student':<{width}}  " + "  ".join(names) + "  total"
+        lines += [f"\n{assignment} (autograded; answers to the questions are graded by hand)", header,
+                  "-" * len(header)]
+        for o in mine:
+            auto = {s.question: s for s in o.scores if s.kind == "auto"}
+            cells = "  ".join((f"{auto[q].points:g}/{auto[q].max_points:g}" if q in auto else "-").center(len(q))
+                              for q in names)
+            total = f"{sum(s.points for s in auto.values()):g}/{sum(s.max_points for s in auto.values()):g}"
+            lines.append(f"{o.student:<{width}}  {cells}  {total}" + ("  (see summary)" if o.problem else ""))
     return "\n".join(lines)
-
-
-def grade(submissions: Path, out: Path) -> list[Score]:
-    """Autograde every student of every assignment under `submissions`; write grades and feedback to `out`."""
-    submissions, out = submissions.resolve(), out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    db = out / "gradebook.db"
-    folders = [f"--CourseDirectory.submitted_directory={submissions}",
-               f"--CourseDirectory.autograded_directory={out / 'autograded'}",
-               f"--CourseDirectory.feedback_directory={out / 'feedback'}",
-               f"--CourseDirectory.release_directory={out / 'release'}"]
-    for assignment in found_assignments(submissions):
-        print(f"grade: {assignment}", flush=True)
-        nbgrader("generate_assignment", assignment, "--force", *folders, db=db)
-        nbgrader("autograde", assignment, "--force", *folders, db=db)
-        nbgrader("generate_feedback", assignment, "--force", *folders, db=db)
-    scores = read_scores(db)
-    write_csv(scores, out / "grades.csv")
-    return scores

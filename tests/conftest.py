@@ -28,7 +28,8 @@ def graded_samples(tmp_path_factory):
     out = tmp_path_factory.mktemp("graded")
     submissions = out / "submitted"
     shutil.copytree(SAMPLES / "submitted", submissions)
-    return grade.grade(submissions, out / "grades"), out / "grades"
+    outcomes = grade.grade(submissions, out / "grades", progress=False)
+    return [s for o in outcomes for s in o.scores], out / "grades"
 
 
 def expected_scores() -> dict[str, dict[str, dict[str, float]]]:
