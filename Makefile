@@ -24,6 +24,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 demo: $(BIN)/.installed
+	$(BIN)/python -m autograder build
 	$(BIN)/python -m autograder demo
 
 test: $(BIN)/.installed
