@@ -45,7 +45,7 @@ def _expected(c: ac.Case, query_positions=None, window=None) -> torch.Tensor | N
     """The float64 reference [B, Hq, T, D] for other query positions or window (None if undefined)."""
     qp = c.query_positions if query_positions is None else query_positions
     try:
-        return reference.attention(c.q, c.k, c.v, qp, c.key_positions, window=window).cpu()
+        return reference.attention(c.q.cpu(), c.k.cpu(), c.v.cpu(), qp, c.key_positions, window=window)
     except ValueError:
         return None
 
@@ -78,7 +78,8 @@ def _problem(fn: Callable, c: ac.Case, got: torch.Tensor) -> str | None:
     """None when `got` is right for `c`, else the message: where, and which mistake it matches."""
     if "window" in c.kwargs:
         return _window_problem(fn, c, got)
-    problem = ac.explain_output(got, c, tile=c.kwargs.get("block_n"), what=_name(fn))
+    # The reference and the mistaken variants are computed on the CPU, whatever device fn ran on.
+    problem = ac.explain_output(got, c.to("cpu"), tile=c.kwargs.get("block_n"), what=_name(fn))
     if not problem:
         return None
     t, s = c.q.shape[2], c.k.shape[2]

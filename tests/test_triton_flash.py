@@ -1,4 +1,4 @@
-"""The exported Triton kernel on this machine (Triton's interpreter on a CPU), on small shapes."""
+"""The exported Triton kernel on small shapes: Triton's interpreter on a CPU, compiled on a GPU."""
 
 import pytest
 import torch
@@ -47,7 +47,7 @@ def test_validation():
 
 def test_negative_offset_and_window_rejected():
     """A query before key 0 sees nothing, and a window must hold at least the query's own key."""
-    q = torch.randn(1, 1, 4, 16)
+    q = torch.randn(1, 1, 4, 16, device=RT.device, dtype=RT.dtype)
     with pytest.raises(ValueError):
         flash_attention(q, q, q, query_offset=-1)
     with pytest.raises(ValueError):
@@ -56,7 +56,8 @@ def test_negative_offset_and_window_rejected():
 
 def test_checks_name_the_classic_kernel_bugs():
     """kernel_checks recognises an ignored query_offset and a kernel that reads NaN keys."""
-    c = kc.case("middle", q_heads=1, kv_heads=1, t=6, s=60, query_offset=10, block_m=16, block_n=16)
+    c = kc.case("middle", q_heads=1, kv_heads=1, t=6, s=60, query_offset=10, block_m=16, block_n=16,
+                dtype=RT.dtype, device=RT.device)
     ignores_offset = lambda q, k, v, query_offset=None, **kw: flash_attention(q, k, v, query_offset=0, **kw)  # noqa: E731
     with pytest.raises(AssertionError, match="query_offset=10 was ignored"):
         kc.check_cases(ignores_offset, [c])
