@@ -15,6 +15,7 @@ message says which one it matches and where (batch, head, query row):
     l_not_rescaled     (tiled) l not multiplied by alpha when the maximum rises
     a_not_rescaled     (tiled) the accumulator not multiplied by alpha
     per_tile_softmax   (tiled) each key tile normalized by itself
+    no_rescale         (tiled) tile or chunk states added without exp(m_i - m)
 
 NaN output where the reference is finite is reported as the -inf - -inf of a row whose first
 tile had no visible key. Tolerances per dtype are the constants in TOLERANCES.
@@ -67,8 +68,10 @@ BUGS = {
                        "the key at its own position)",
     "no_causal_mask": "there was no causal mask: every query saw every key, including later ones",
     **{name: words for name, words in recurrence.BUGS.items() if name is not None},
+    "no_rescale": "neither l nor a was rescaled: the partial states were added up without the factor "
+                  "exp(m_i - m)",
 }
-TILED_BUGS = tuple(name for name in recurrence.BUGS if name is not None)
+TILED_BUGS = (*(name for name in recurrence.BUGS if name is not None), "no_rescale")
 WHOLE_BUGS = tuple(name for name in BUGS if name not in TILED_BUGS)
 
 
@@ -228,6 +231,10 @@ def tiled_variant(case: Case, tile: int, bug: str | None = None) -> torch.Tensor
         m_new = torch.maximum(m, s_tile.amax(-1, keepdim=True))
         ref = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         alpha = torch.exp(m - ref)
+        if bug == "no_rescale":
+            # Each tile's state against its own maximum, as a chunk of flash-decoding computes it.
+            own = s_tile.amax(-1, keepdim=True)
+            ref = torch.where(torch.isfinite(own), own, torch.zeros_like(own))
         p = torch.exp(s_tile - ref)
         tile_l, tile_a = p.sum(-1, keepdim=True), p @ v[..., start:start + tile, :]
         if bug == "per_tile_softmax":
@@ -235,8 +242,8 @@ def tiled_variant(case: Case, tile: int, bug: str | None = None) -> torch.Tensor
             l = l + seen.double()
             a = a + torch.where(seen, tile_a / torch.where(seen, tile_l, torch.ones_like(tile_l)), 0.0)
         else:
-            l = (l if bug == "l_not_rescaled" else alpha * l) + tile_l
-            a = (a if bug == "a_not_rescaled" else alpha * a) + tile_a
+            l = (l if bug in ("l_not_rescaled", "no_rescale") else alpha * l) + tile_l
+            a = (a if bug in ("a_not_rescaled", "no_rescale") else alpha * a) + tile_a
         m = m_new
     return a / l
 
@@ -324,11 +331,12 @@ def explain_output(got, case: Case, rtol: float | None = None, atol: float | Non
 
 
 def check_attention(fn: Callable, cases: Iterable[Case], rtol: float | None = None, atol: float | None = None,
-                    tile_arg: str | None = None) -> None:
+                    tile_arg: str | None = None, tile_of: Callable[[Case], int] | None = None) -> None:
     """Call fn on every case and raise AssertionError at the first wrong output, naming the mistake.
 
     rtol/atol default to TOLERANCES for the inputs' dtype. tile_arg names the keyword argument that
-    sets the key tile size (e.g. "tile" or "block_n"), so tiled mistakes are recognised too.
+    sets the key tile size (e.g. "tile" or "block_n"), so tiled mistakes are recognised too;
+    tile_of, when the tile is derived from other arguments, computes it from the case.
     """
     what = getattr(fn, "__name__", "attention")
     for case in cases:
@@ -336,7 +344,7 @@ def check_attention(fn: Callable, cases: Iterable[Case], rtol: float | None = No
             got = case.call(fn)
         except ValueError as error:
             raise AssertionError(_explain_value_error(case, error, what)) from None
-        tile = case.kwargs.get(tile_arg) if tile_arg else None
+        tile = tile_of(case) if tile_of else case.kwargs.get(tile_arg) if tile_arg else None
         problem = explain_output(got, case, rtol, atol, tile, what)
         if problem:
             raise AssertionError(problem)
@@ -470,3 +478,31 @@ def check_merge_partials(merge: Callable, parts, rtol: float = 1e-5, atol: float
         message += (" The partial l_i and a_i were added without rescaling each by exp(m_i - m), "
                     "m = the largest m_i.")
     raise AssertionError(message)
+
+
+def single_query_case(q, k, v, s: int, d: int, tile: int) -> Case:
+    """One query and one head as a Case (float64): q [d], k and v flattened [S * d], as in assignment 02."""
+    q64 = torch.tensor(q, dtype=torch.float64).reshape(1, 1, 1, d)
+    k64 = torch.tensor(k, dtype=torch.float64).reshape(1, 1, s, d)
+    v64 = torch.tensor(v, dtype=torch.float64).reshape(1, 1, s, d)
+    return Case(f"one query, S={s}, d={d}", q64, k64, v64, kwargs={"tile": tile})
+
+
+def check_single_query(fn: Callable, cases: Iterable[tuple], rtol: float = 1e-9, atol: float = 1e-10) -> None:
+    """Each case is (q, k, v, S, d, tile) of plain floats; fn(q, k, v, S, d, tile) must return the
+    list of d floats softmax(q k^T / sqrt(d)) v, within rtol/atol of the float64 reference."""
+    what = getattr(fn, "__name__", "attention")
+    for q, k, v, s, d, tile in cases:
+        got = fn(list(q), list(k), list(v), s, d, tile)
+        where = f"{what}(S={s}, d={d}, tile={tile})"
+        if not isinstance(got, (list, tuple)) or len(got) != d:
+            raise AssertionError(f"{where} should return a list of d = {d} floats, got {got!r:.200}")
+        try:
+            out = torch.tensor([float(x) for x in got], dtype=torch.float64).reshape(1, 1, 1, d)
+        except (TypeError, ValueError):
+            raise AssertionError(f"{where} should return floats, got {got!r:.200}") from None
+        case = single_query_case(q, k, v, s, d, tile)
+        problem = explain_output(out, case, rtol, atol, tile, what)
+        if problem:
+            raise AssertionError(problem.replace(f"{what}, {case.describe()}", where)
+                                 .replace("batch 0, head 0, query row 0 (position " + str(s - 1) + "), output ", ""))
