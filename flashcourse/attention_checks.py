@@ -263,9 +263,13 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
-def _matching_bug(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: float, atol: float,
-                  tile: int | None) -> str | None:
-    """The name of the mistake whose output `got` equals (where that mistake's output is defined)."""
+def _matching_bugs(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: float, atol: float,
+                   tile: int | None) -> list[str]:
+    """The names of the mistakes whose output `got` equals (where that mistake's output is defined).
+
+    Several can match on one case: with tile = 1, softmax per tile and unrescaled states coincide.
+    """
+    found = []
     candidates = [(bug, lambda bug=bug: variant(case, bug)) for bug in WHOLE_BUGS]
     if tile is not None:
         candidates += [(bug, lambda bug=bug: tiled_variant(case, tile, bug)) for bug in TILED_BUGS]
@@ -276,8 +280,8 @@ def _matching_bug(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: float
         if not bool(differs.any()):
             continue                      # this mistake gives the right answer on this case
         if bool(_close(got[defined], wrong[defined], 2 * rtol, 2 * atol).all()):
-            return bug
-    return None
+            found.append(bug)
+    return found
 
 
 def explain_output(got, case: Case, rtol: float | None = None, atol: float | None = None,
@@ -324,9 +328,9 @@ def explain_output(got, case: Case, rtol: float | None = None, atol: float | Non
     message = (f"{where}: wrong at {_where(case, index)}, output element {index[3]}: got {_fmt(got[index])}, "
                f"expected {_fmt(want[index])} (tolerance rtol={rtol:g}, atol={atol:g}); "
                f"{bad_rows} of {total_rows} query rows differ.")
-    bug = _matching_bug(got, case, want, rtol, atol, tile)
-    if bug:
-        return f"{message} This is exactly what happens when {BUGS[bug]}."
+    bugs = _matching_bugs(got, case, want, rtol, atol, tile)
+    if bugs:
+        return f"{message} This is exactly what happens when " + ", or when ".join(BUGS[b] for b in bugs) + "."
     return message + " Check the scale 1/sqrt(D), the causal mask by position, and the KV head of each query head."
 
 
@@ -385,7 +389,8 @@ def recognise(got, case: Case, tile: int | None = None) -> str | None:
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(case.expected().shape):
         return None
     rtol, atol = tolerance(case.q.dtype)
-    return _matching_bug(got.detach().cpu().double(), case, case.expected(), rtol, atol, tile)
+    bugs = _matching_bugs(got.detach().cpu().double(), case, case.expected(), rtol, atol, tile)
+    return bugs[0] if bugs else None
 
 
 def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
