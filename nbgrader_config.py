@@ -32,9 +32,13 @@ c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "gradebook.db")
 c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True
 
+# Verdicts are decided in this process, not the learner's kernel: test cells record the graded
+# functions' answers, then each test cell reruns here against those records (autograder/record.py).
 # Only an exception fails a test: warnings on stderr (torch and Triton print some) cost nothing.
 c.Autograde.autograde_preprocessors = [
+    *([preprocessors.RecordGradedCalls] if os.environ.get("FLASHCOURSE_TRUSTED") else []),
     "nbgrader.preprocessors.Execute",
+    *([preprocessors.TrustedVerdicts] if os.environ.get("FLASHCOURSE_TRUSTED") else []),
     preprocessors.StderrIsNotFailure,
     "nbgrader.preprocessors.IgnorePattern",
     "nbconvert.preprocessors.ClearMetadataPreprocessor",

@@ -1,4 +1,4 @@
-"""The course's command line: `python -m autograder build|grade|demo`."""
+"""The course's command line: `python -m autograder build|grade|demo|check`."""
 
 import argparse
 import os
@@ -24,7 +24,14 @@ def main() -> int:
     d = sub.add_parser("demo", help="grade the sample submissions and print the table")
     d.add_argument("--out", type=Path, default=ROOT / "build" / "demo")
     d.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="students graded at once")
+    c = sub.add_parser("check", help="run a notebook's visible tests, as a learner would; exit 1 if any fails")
+    c.add_argument("notebook", type=Path)
     args = parser.parse_args()
+
+    if args.command == "check":
+        from flashcourse import selfcheck
+
+        return selfcheck.main([str(args.notebook)])
 
     if args.command == "build":
         return build.main(args.assignments, check=args.check, execute_solutions=not args.no_execute)

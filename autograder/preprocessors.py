@@ -3,11 +3,24 @@
 Autograde: a warning printed to stderr (torch and Triton print several) is not a failure. nbgrader
 scores a test cell zero when it has any stderr output; here only an exception fails a test.
 
+Verdicts: the test cells run in the learner's kernel, where code can patch anything; their grade is
+decided afterwards, here, by replaying the recorded calls (RecordGradedCalls, TrustedVerdicts).
+
 Feedback: the autograded notebook holds the hidden tests (nbgrader restores them before executing)
 and full tracebacks that quote them. Feedback keeps the verdict and the check's message only.
 """
 
+import ast
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import nbformat
 from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor
+
+from . import ROOT, record
 
 
 class StderrIsNotFailure(NbGraderPreprocessor):
@@ -34,3 +47,91 @@ class PlainErrors(NbGraderPreprocessor):
             if output.get("output_type") == "error":
                 output["traceback"] = [f"{output.get('ename', 'Error')}: {output.get('evalue', '')}"]
         return cell, resources
+
+
+# --- Verdicts decided by the grader (see autograder/record.py) ---
+
+RECORD_LINE = '__import__("autograder.record").record.wrap(globals(), {cell!r}, {names!r})  # grader: record calls\n'
+# Learner code that uses the course's finished answers instead of writing its own.
+FORBIDDEN_ANYWHERE = re.compile(r"flashcourse\s*\.\s*engine|from\s+flashcourse\s+import\s+[^\n]*\bengine\b|autograder")
+FORBIDDEN_IN_SOLUTIONS = re.compile(r"reference\s*\.\s*attention|softmax_weighted_sum|scaled_dot_product_attention")
+
+
+def _source_notebook(resources) -> nbformat.NotebookNode:
+    info = resources["nbgrader"]
+    return nbformat.read(ROOT / "source" / info["assignment"] / f"{info['notebook']}.ipynb", as_version=4)
+
+
+def graded_names(source: nbformat.NotebookNode) -> list[str]:
+    """The functions the learner writes: top-level definitions in the source's solution cells."""
+    names = []
+    for cell in source.cells:
+        if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
+            for node in ast.parse(cell.source).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.append(node.name)
+    return names
+
+
+def _is_test_cell(cell) -> bool:
+    meta = cell.metadata.get("nbgrader", {})
+    return cell.cell_type == "code" and meta.get("grade") and not meta.get("solution")
+
+
+class RecordGradedCalls(NbGraderPreprocessor):
+    """Before execution: start every test cell by wrapping the graded functions in recorders."""
+
+    def preprocess(self, nb, resources):
+        names = graded_names(_source_notebook(resources))
+        folder = tempfile.mkdtemp(prefix="flashcourse-record-")
+        os.environ[record.RECORD_DIR_ENV] = folder  # the kernel, started after this, inherits it
+        resources["flashcourse_record"] = {"folder": folder, "names": names}
+        for cell in nb.cells:
+            if _is_test_cell(cell):
+                cell.source = RECORD_LINE.format(cell=cell.metadata.nbgrader["grade_id"], names=names) + cell.source
+        return nb, resources
+
+
+def _learner_code(nb, source) -> tuple[str, str]:
+    """(code of every cell the learner wrote or changed, code of their solution cells)."""
+    given = {(c.get("id"), c.source) for c in source.cells}
+    written = [c for c in nb.cells if c.cell_type == "code" and (c.get("id"), c.source) not in given
+               and not _is_test_cell(c)]
+    solutions = [c for c in nb.cells if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution")]
+    return "\n".join(c.source for c in written), "\n".join(c.source for c in solutions)
+
+
+class TrustedVerdicts(NbGraderPreprocessor):
+    """After execution: rerun each test cell here against the recorded calls; its result is the verdict."""
+
+    def preprocess(self, nb, resources):
+        info = resources.pop("flashcourse_record")
+        folder = Path(info["folder"])
+        entries = record.read(folder)
+        written, solutions = _learner_code(nb, _source_notebook(resources))
+        banned = FORBIDDEN_ANYWHERE.search(written) or FORBIDDEN_IN_SOLUTIONS.search(solutions)
+        for cell in nb.cells:
+            if not _is_test_cell(cell):
+                continue
+            cell.source = cell.source.split("  # grader: record calls\n", 1)[-1]
+            if banned:
+                failure = ("AssertionError", f"the notebook uses the course's finished implementation "
+                                             f"({banned.group(0)!r}) instead of its own code")
+            else:
+                failure = self._replay(cell, info["names"], entries, folder)
+            kept = [o for o in cell.outputs if o.output_type not in ("error", "execute_result")]
+            if failure:
+                kept.append(nbformat.v4.new_output("error", ename=failure[0], evalue=failure[1],
+                                                   traceback=[f"{failure[0]}: {failure[1]}"]))
+            cell.outputs = kept
+        shutil.rmtree(folder, ignore_errors=True)
+        return nb, resources
+
+    @staticmethod
+    def _replay(cell, names, entries, folder) -> tuple[str, str] | None:
+        namespace = {"__name__": "__grader__", **{n: record.Replayer(n, entries, folder) for n in names}}
+        try:
+            exec(compile(cell.source, f"<test cell {cell.metadata.nbgrader['grade_id']}>", "exec"), namespace)
+        except Exception as error:
+            return type(error).__name__, str(error)
+        return None

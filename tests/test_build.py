@@ -58,3 +58,36 @@ def test_release_hides_solutions_and_hidden_tests(assignment):
     assert "raise NotImplementedError()" in text
     for leak in ("BEGIN SOLUTION", "HIDDEN TESTS", "autograder.hidden", "Rubric"):
         assert leak not in text, f"notebooks/{assignment} leaks {leak!r}"
+
+
+def _free_names(code: str) -> set[str]:
+    """Names a cell reads but never binds itself (imports, assignments, definitions), nested scopes included."""
+    import builtins
+    import symtable
+
+    top = symtable.symtable(code, "<cell>", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    free, tables = set(), [top]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        for symbol in table.get_symbols():
+            if symbol.is_referenced() and (table is top or symbol.is_global()) and \
+                    not symbol.is_assigned() and not symbol.is_imported():
+                free.add(symbol.get_name())
+    return free - bound - set(dir(builtins))
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_test_cells_are_self_contained(assignment):
+    """A test cell uses only its own imports and the graded functions: the grader reruns it on its own."""
+    from autograder.preprocessors import graded_names
+
+    source = _source(assignment)
+    graded = set(graded_names(source))
+    for cell in source.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and meta.get("grade") and not meta.get("solution"):
+            free = _free_names(cell.source) - graded
+            assert not free, (f"{assignment}/{meta['grade_id']} uses {sorted(free)} from earlier cells: "
+                              "import or define them in the test cell itself")
