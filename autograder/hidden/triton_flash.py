@@ -34,7 +34,7 @@ def _odd(rng, low, high, block):
 
 
 def test_validation(flash_attention) -> None:
-    """ValueError for D = 24 and 8, Hq % Hkv != 0, k and v on another device; on both devices' dtypes."""
+    """ValueError for D = 24 and 8, Hq % Hkv != 0, and (with a GPU) k and v on another device."""
     rt = runtime.current()
     kc.check_validation(flash_attention, rt.device, rt.dtype)
 
