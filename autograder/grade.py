@@ -16,6 +16,7 @@ DIR receives grades.csv (one row per student, assignment and question), feedback
 from __future__ import annotations
 
 import csv
+import json
 import os
 import resource
 import shutil
@@ -57,18 +58,53 @@ def nbgrader_cmd(*args: str, db: Path, folders: dict[str, Path]) -> list[str]:
             "--log-level=WARN", *(f"--CourseDirectory.{k}_directory={v}" for k, v in folders.items())]
 
 
-def _environment() -> dict[str, str]:
+SANDBOX_KERNEL = "flashcourse-sandbox"
+
+
+def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     # nbgrader runs `alembic` by name: put this interpreter's scripts first on PATH.
-    return {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, **(extra or {})}
+
+
+def sandbox_kernel(scratch: Path, hidden: list[Path]) -> dict[str, str] | None:
+    """A kernelspec that runs the learner's kernel under bubblewrap, or None where bwrap is missing.
+
+    The kernel sees the machine read-only, a private /tmp holding only this student's scratch folder
+    (writable), and empty folders in place of `hidden` (source/, the submissions, the grader's output)
+    and of the scratch gradebook. Returns the environment that makes nbgrader find the kernelspec.
+    """
+    bwrap = shutil.which("bwrap")
+    if not bwrap:
+        return None
+    home = scratch / "home"
+    home.mkdir()
+    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--bind", str(scratch), str(scratch), "--die-with-parent"]
+    for path in hidden:
+        if path.is_dir():
+            argv += ["--tmpfs", str(path)]
+        elif path.exists():
+            argv += ["--ro-bind", "/dev/null", str(path)]
+    argv += [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    spec = scratch / "jupyter" / "kernels" / SANDBOX_KERNEL
+    spec.mkdir(parents=True)
+    caches = {"HOME": home, "IPYTHONDIR": home / ".ipython", "MPLCONFIGDIR": home / ".matplotlib",
+              "TRITON_CACHE_DIR": home / ".triton", "TMPDIR": scratch / "tmp"}
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": argv, "display_name": "Python 3 (grading sandbox)", "language": "python",
+        "env": {k: str(v) for k, v in caches.items()}}))
+    (scratch / "tmp").mkdir()
+    return {"JUPYTER_PATH": str(scratch / "jupyter"), "TMPDIR": str(scratch / "tmp")}
 
 
 def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
 
 
-def run_limited(cmd: list[str], timeout: float) -> tuple[int | None, str]:
+def run_limited(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run cmd in its own process group under the memory limit; kill the whole group at the timeout."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_environment(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=_limit_memory)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -131,7 +167,7 @@ def explain_failure(log: str) -> str:
 
 
 def grade_one(student: str, assignment: str, notebook: Path, template: Path, out: Path,
-              cell_timeout: int | None = None) -> Outcome:
+              cell_timeout: int | None = None, hidden: tuple[Path, ...] = ()) -> Outcome:
     """Autograde one student's notebook in a scratch course folder and copy the results to `out`."""
     with tempfile.TemporaryDirectory(prefix="flashcourse-grade-") as tmp:
         scratch = Path(tmp)
@@ -142,9 +178,12 @@ def grade_one(student: str, assignment: str, notebook: Path, template: Path, out
         shutil.copy(notebook, target / f"{assignment}.ipynb")
         db = scratch / "gradebook.db"
         shutil.copy(template, db)
-        limits = [f"--Execute.timeout={cell_timeout}"] if cell_timeout else []
-        code, log = run_limited(nbgrader_cmd("autograde", assignment, "--student", student, "--force", *limits,
-                                             db=db, folders=folders), STUDENT_TIMEOUT_S)
+        options = [f"--Execute.timeout={cell_timeout}"] if cell_timeout else []
+        sandbox = sandbox_kernel(scratch, [*hidden, db])
+        if sandbox:
+            options.append(f"--Execute.kernel_name={SANDBOX_KERNEL}")
+        code, log = run_limited(nbgrader_cmd("autograde", assignment, "--student", student, "--force", *options,
+                                             db=db, folders=folders), STUDENT_TIMEOUT_S, sandbox)
         if code is None:
             return zeros(student, assignment, template, f"grading stopped after {STUDENT_TIMEOUT_S} s")
         scores = read_scores(db, student)
@@ -206,7 +245,13 @@ def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
                 for o in outcomes]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
             tqdm(total=len(todo), desc="grading", unit="notebook", disable=not progress, file=sys.stdout) as bar:
-        futures = {pool.submit(grade_one, s, a, nb, templates[a], out, cell_timeout): (s, a) for s, a, nb in todo}
+        # What a learner's kernel must not read: the instructor's notebooks, everyone's submissions
+        # (the samples too), grades and feedback. The grader's code stays readable: the kernel runs
+        # the test cells with it, and it is public anyway.
+        hidden = (ROOT / "source", ROOT / "autograder" / "samples", ROOT / "gradebook.db", ROOT / "submitted",
+                  ROOT / "autograded", ROOT / "feedback", submissions, out)
+        futures = {pool.submit(grade_one, s, a, nb, templates[a], out, cell_timeout, hidden): (s, a)
+                   for s, a, nb in todo}
         for future in as_completed(futures):
             student, assignment = futures[future]
             try:
@@ -219,6 +264,10 @@ def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
     write_csv(outcomes, out / "grades.csv")
     (out / "summary.txt").write_text(summary(outcomes))
     return outcomes
+
+
+NO_SANDBOX = ("bubblewrap (bwrap) is not installed, so learners' kernels ran without a sandbox and could read "
+              "source/ and other submissions: install it (Debian/Ubuntu: apt-get install bubblewrap).")
 
 
 def write_csv(outcomes: list[Outcome], path: Path) -> None:
@@ -234,6 +283,8 @@ def summary(outcomes: list[Outcome]) -> str:
     problems = [f"- {o.student}, {o.assignment}: {o.problem}" for o in outcomes if o.problem]
     graded = sum(not o.problem for o in outcomes)
     head = f"{graded} of {len(outcomes)} notebooks graded normally."
+    if not shutil.which("bwrap"):
+        head += "\nWarning: " + NO_SANDBOX
     return head + ("\nProblems:\n" + "\n".join(problems) if problems else " No problems.") + "\n"
 
 
