@@ -51,6 +51,8 @@ def _storage_key(t: torch.Tensor) -> int:
 class AllocationTracker(TorchDispatchMode):
     """A dispatch mode recording every new tensor storage: `allocations`, `largest`, `peak_bytes`."""
 
+    _stack: list["AllocationTracker"] = []   # the trackers entered and not yet exited, innermost last
+
     def __init__(self):
         super().__init__()
         self.allocations: list[Allocation] = []
@@ -80,6 +82,18 @@ class AllocationTracker(TorchDispatchMode):
             weakref.finalize(t, self._release, key)
         return out
 
+    def __enter__(self):
+        AllocationTracker._stack.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        AllocationTracker._stack.remove(self)
+        return super().__exit__(*exc)
+
+    def note(self, allocations: list[Allocation]) -> None:
+        """Add allocations observed elsewhere (a recorded call replayed by the grader) to `allocations`."""
+        self.allocations.extend(allocations)
+
     def _release(self, key: int) -> None:
         self._users[key] -= 1
         if self._users[key] == 0:
@@ -95,6 +109,11 @@ class AllocationTracker(TorchDispatchMode):
         """The allocations of at least `min_numel` elements (floating-point ones only, by default)."""
         return [a for a in self.allocations
                 if a.numel >= min_numel and (a.dtype.is_floating_point or not floating)]
+
+
+def active() -> AllocationTracker | None:
+    """The innermost tracker now recording, if any (so a call recorded elsewhere can report into it)."""
+    return AllocationTracker._stack[-1] if AllocationTracker._stack else None
 
 
 @dataclass(frozen=True)
