@@ -1,0 +1,287 @@
+"""The tile explorer: the numbers behind its pictures, and the widgets built without a frontend."""
+
+import base64
+import itertools
+import math
+import random
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+from flashcourse import recurrence, reference, widgets
+from flashcourse.engine import online_softmax as engine
+
+WORKED = ([0.0, 1.0, 2.0, -1.0], [2.0, 4.0, 1.0, 3.0])
+
+
+class _Cells(HTMLParser):
+    """The text of every element carrying an fc-* class, by class."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self._open = {}, []
+
+    def handle_starttag(self, tag, attrs):
+        classes = [c for c in (dict(attrs).get("class") or "").split() if c.startswith("fc-")]
+        self._open.append(classes)
+        for c in classes:
+            self.text.setdefault(c, "")
+
+    def handle_endtag(self, tag):
+        if self._open:
+            self._open.pop()
+
+    def handle_data(self, data):
+        for classes in self._open:
+            for c in classes:
+                self.text[c] += data
+
+
+def panel(explorer) -> dict[str, str]:
+    parser = _Cells()
+    parser.feed(explorer.panel.value)
+    return parser.text
+
+
+def number(text: str) -> float:
+    """A number as the panel writes it (with a typographic minus) as a float."""
+    return float(text.replace("−", "-"))
+
+
+def _random_row(rng, n):
+    return [rng.gauss(0.0, 3.0) for _ in range(n)], [rng.gauss(0.0, 1.0) for _ in range(n)]
+
+
+# ---- the plain functions ------------------------------------------------------------------------
+
+def test_worked_example_numbers():
+    steps = recurrence.trace(*WORKED, 2)
+    assert (steps[0].m_new, round(steps[0].l_new, 4), round(steps[0].a_new, 4)) == (1.0, 1.3679, 4.7358)
+    assert round(steps[1].alpha, 4) == 0.3679
+    assert (round(steps[1].l_new, 4), round(steps[1].a_new, 4), round(steps[1].output, 4)) == (1.5530, 2.8915, 1.8619)
+
+
+@pytest.mark.parametrize("n, tile", [(1, 1), (4, 2), (7, 3), (16, 5), (33, 33), (9, 20)])
+def test_learner_trace_of_the_solution_is_the_recurrence(n, tile):
+    scores, values = _random_row(random.Random(n * 100 + tile), n)
+    ours = widgets.learner_trace(engine.tile_update, scores, values, tile)
+    want = recurrence.trace(scores, values, tile)
+    assert len(ours) == len(want)
+    for s, w in zip(ours, want):
+        for field in ("m_old", "l_old", "a_old", "m_new", "alpha", "l_new", "a_new"):
+            assert getattr(s, field) == pytest.approx(getattr(w, field), rel=1e-12, abs=1e-15), field
+        assert s.p == pytest.approx(w.p, rel=1e-12)
+    assert ours[-1].output == pytest.approx(reference.softmax_weighted_sum(scores, values), rel=1e-12)
+
+
+def test_learner_trace_with_masked_tiles_matches_reference():
+    scores, values = _random_row(random.Random(5), 10)
+    scores[:3] = [-math.inf] * 3
+    scores[7] = -math.inf
+    steps = widgets.learner_trace(engine.tile_update, scores, values, 3)
+    assert (steps[0].m_new, steps[0].l_new, steps[0].a_new) == (-math.inf, 0.0, 0.0)
+    assert steps[-1].output == pytest.approx(reference.softmax_weighted_sum(scores, values), rel=1e-12)
+
+
+@pytest.mark.parametrize("bug", [b for b in recurrence.BUGS if b])
+def test_learner_trace_carries_the_learners_mistake(bug):
+    def buggy(m, l, a, scores, values):
+        s = recurrence.step(m, l, a, scores, values, bug)
+        return s.m_new, s.l_new, s.a_new
+
+    scores, values = WORKED
+    got = widgets.learner_trace(buggy, scores, values, 2)
+    want = recurrence.trace(scores, values, 2, bug)
+    assert [x for s in got for x in (s.l_new, s.a_new)] == pytest.approx([x for s in want for x in (s.l_new, s.a_new)])
+    assert not math.isclose(got[-1].output, reference.softmax_weighted_sum(scores, values), rel_tol=1e-6)
+
+
+def test_learner_trace_rejects_a_non_state():
+    with pytest.raises(TypeError, match=r"\(m, l, a\)"):
+        widgets.learner_trace(lambda m, l, a, s, v: None, *WORKED, 2)
+
+
+@pytest.mark.parametrize("t, s, hq, hkv, offset", [(6, 6, 1, 1, None), (5, 12, 4, 2, None), (8, 8, 2, 1, 3)])
+def test_attention_row_matches_reference_attention(t, s, hq, hkv, offset):
+    g = torch.Generator().manual_seed(t * s + hq)
+    q, k, v = (torch.randn(2, h, n, 16, generator=g) for h, n in ((hq, t), (hkv, s), (hkv, s)))
+    positions = None if offset is None else torch.arange(t) + offset
+    want = reference.attention(q, k, v, query_positions=positions)                   # [B, Hq, T, D]
+    for batch, head, row, column in itertools.product((0, 1), range(hq), range(t), (0, 7)):
+        scores, values = widgets.attention_row(q, k, v, row, batch, head, column, offset)
+        visible = (s - t if offset is None else offset) + row + 1
+        assert all(x == -math.inf for x in scores[visible:]) and all(math.isfinite(x) for x in scores[:visible])
+        got = recurrence.trace(scores, values, 4)[-1].output
+        assert got == pytest.approx(want[batch, head, row, column].item(), rel=1e-9, abs=1e-12)
+
+
+def test_attention_row_accepts_two_dimensional_tensors():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(4, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    want = reference.attention(q[None, None], k[None, None], v[None, None])[0, 0]
+    scores, values = widgets.attention_row(q, k, v, 1, column=3)
+    assert recurrence.trace(scores, values, 2)[-1].output == pytest.approx(want[1, 3].item(), rel=1e-9)
+
+
+CASES = [(t, s, bm, bn, offset, window)
+         for t, s in ((1, 1), (7, 7), (5, 13), (16, 16), (12, 40), (9, 4))
+         for bm, bn in ((1, 1), (2, 3), (4, 4), (8, 16), (64, 64))
+         for offset in (None, 0, 3, -2)
+         for window in (None, 1, 5)]
+
+
+@pytest.mark.parametrize("t, s, bm, bn, offset, window", CASES)
+def test_block_classes_match_visible_mask(t, s, bm, bn, offset, window):
+    q, k = torch.zeros(1, 1, t, 1), torch.zeros(1, 1, s, 1)
+    positions = None if offset is None else torch.arange(t) + offset
+    mask = reference.visible_mask(q, k, query_positions=positions, window=window)[0, 0]   # [T, S]
+    classes = widgets.block_classes(t, s, bm, bn, offset, window)
+    assert len(classes) == math.ceil(t / bm) and all(len(row) == math.ceil(s / bn) for row in classes)
+    for bi, row in enumerate(classes):
+        for bj, kind in enumerate(row):
+            tile = mask[bi * bm:(bi + 1) * bm, bj * bn:(bj + 1) * bn]
+            expected = "skip" if not tile.any() else "full" if tile.all() else "partial"
+            assert kind == expected, f"block ({bi}, {bj}) of {(t, s, bm, bn, offset, window)}"
+
+
+def test_block_classes_of_a_square_causal_matrix():
+    assert widgets.block_classes(4, 4, 2, 2) == [["partial", "skip"], ["full", "partial"]]
+    with pytest.raises(ValueError):
+        widgets.block_classes(4, 4, 0, 2)
+    with pytest.raises(ValueError):
+        widgets.block_classes(4, 4, 2, 2, window=0)
+
+
+# ---- the widgets, built in this process with no frontend ---------------------------------------
+
+def test_tile_explorer_shows_the_worked_example_and_follows_the_slider():
+    explorer = widgets.tile_explorer()
+    cells = panel(explorer)
+    assert (cells["fc-tile"], cells["fc-tiles"]) == ("1", "2")
+    assert (cells["fc-m-old"], cells["fc-m"], cells["fc-l"], cells["fc-a"]) == ("−∞", "1", "1.3679", "4.7358")
+    assert cells["fc-scores"] == "[0, 1]" and cells["fc-true"] == "1.8619"
+
+    explorer.controls["tile"].value = 2
+    cells = panel(explorer)
+    assert cells["fc-tile"] == "2" and cells["fc-alpha"] == "0.3679" and cells["fc-p"] == "[1, 0.0498]"
+    assert (cells["fc-m-old"], cells["fc-l-old"], cells["fc-a-old"]) == ("1", "1.3679", "4.7358")
+    assert (cells["fc-l-rescaled"], cells["fc-a-rescaled"]) == ("0.5032", "1.7422")
+    assert (cells["fc-m"], cells["fc-l"], cells["fc-a"], cells["fc-output"]) == ("2", "1.5530", "2.8915", "1.8619")
+    assert "fc-wrong" not in cells
+
+
+def test_tile_explorer_tile_size_slider_clamps_the_current_tile():
+    explorer = widgets.tile_explorer()
+    explorer.controls["tile_size"].value = 1
+    assert explorer.controls["tile"].max == 4
+    explorer.controls["tile"].value = 4
+    explorer.controls["tile_size"].value = 3
+    assert (explorer.controls["tile"].max, explorer.controls["tile"].value) == (2, 2)
+    cells = panel(explorer)
+    assert cells["fc-tiles"] == "2" and cells["fc-scores"] == "[−1]" and cells["fc-output"] == "1.8619"
+
+
+@pytest.mark.parametrize("bug", [b for b in recurrence.BUGS if b])
+def test_tile_explorer_bug_selector_shows_the_wrong_numbers(bug):
+    explorer = widgets.tile_explorer()
+    explorer.controls["tile"].value = 2
+    explorer.controls["recurrence"].value = bug
+    cells = panel(explorer)
+    wrong = recurrence.trace(*WORKED, 2, bug)[-1]
+    assert number(cells["fc-output"]) == pytest.approx(wrong.output, abs=5e-5)
+    assert cells["fc-want-output"] == "1.8619" and "fc-wrong" in cells
+    assert recurrence.BUGS[bug] in cells["fc-note"]
+
+
+def test_tile_explorer_runs_the_learners_update():
+    def l_not_rescaled(m, l, a, scores, values):
+        s = recurrence.step(m, l, a, scores, values, "l_not_rescaled")
+        return s.m_new, s.l_new, s.a_new
+
+    explorer = widgets.tile_explorer(update=l_not_rescaled)
+    assert explorer.controls["recurrence"].value == "yours"
+    explorer.controls["tile"].value = 2
+    cells = panel(explorer)
+    assert cells["fc-l"] == "2.4177" and cells["fc-want-l"] == "1.5530"
+    assert "tile 2" in cells["fc-note"] and "l is not multiplied by alpha" in cells["fc-note"]
+
+    right = widgets.tile_explorer(update=engine.tile_update)
+    right.controls["tile"].value = 2
+    assert panel(right)["fc-output"] == "1.8619" and "matches the recurrence" in panel(right)["fc-note"]
+
+
+@pytest.mark.parametrize("update", [lambda m, l, a, s, v: (_ for _ in ()).throw(NotImplementedError()),
+                                    lambda m, l, a, s, v: 1 / 0,
+                                    lambda m, l, a, s, v: None])
+def test_tile_explorer_survives_an_unfinished_update(update):
+    explorer = widgets.tile_explorer(update=update)
+    cells = panel(explorer)
+    assert "Your tile_update" in cells["fc-note"] and "Exercise 1" in cells["fc-note"]
+    assert cells["fc-l"] == "1.3679"                          # the correct recurrence is shown meanwhile
+
+
+def test_tile_explorer_on_another_row():
+    scores, values = _random_row(random.Random(3), 11)
+    explorer = widgets.tile_explorer(scores, values, tile=4)
+    explorer.controls["tile"].value = 3
+    cells = panel(explorer)
+    assert number(cells["fc-output"]) == pytest.approx(reference.softmax_weighted_sum(scores, values), abs=5e-5)
+    with pytest.raises(ValueError):
+        widgets.tile_explorer([1.0, 2.0], [1.0])
+
+
+def test_display_carries_a_static_png():
+    explorer = widgets.tile_explorer()
+    data, metadata = explorer._repr_mimebundle_()
+    assert data["application/vnd.jupyter.widget-view+json"]["model_id"] == explorer.model_id
+    assert base64.b64decode(data["image/png"]).startswith(b"\x89PNG\r\n\x1a\n")
+    assert metadata["image/png"]["width"] > 0
+    png = explorer.picture.value
+    explorer.controls["tile"].value = 2
+    assert explorer.picture.value != png and base64.b64decode(explorer._repr_mimebundle_()[0]["image/png"]) == explorer.picture.value
+
+
+def test_attention_row_explorer_row_slider():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 1, 10, 8, generator=g), torch.randn(1, 1, 10, 8, generator=g)
+    want = reference.attention(q, k, v)
+    explorer = widgets.attention_row_explorer(q, k, v, tile=3, head=1, column=2)
+    assert explorer.controls["row"].value == 5
+    for row in (0, 3):
+        explorer.controls["row"].value = row
+        explorer.controls["tile"].value = explorer.controls["tile"].max
+        assert number(panel(explorer)["fc-true"]) == pytest.approx(want[0, 1, row, 2].item(), abs=5e-5)
+        assert number(panel(explorer)["fc-output"]) == pytest.approx(want[0, 1, row, 2].item(), abs=5e-5)
+    explorer.controls["column"].value = 0
+    assert number(panel(explorer)["fc-true"]) == pytest.approx(want[0, 1, 3, 0].item(), abs=5e-5)
+
+
+def test_causal_blocks_widget_counts_and_sliders():
+    explorer = widgets.causal_blocks(96, 128, 32, 32)
+    cells = panel(explorer)
+    assert (cells["fc-full"], cells["fc-partial"], cells["fc-skip"], cells["fc-total"]) == ("6", "3", "3", "12")
+    explorer.controls["T"].value = 128
+    assert explorer.controls["offset"].value == 0 and explorer.controls["offset"].disabled
+    assert (panel(explorer)["fc-partial"], panel(explorer)["fc-skip"]) == ("4", "6")
+    explorer.controls["default_offset"].value = False
+    explorer.controls["offset"].value = 64
+    classes = widgets.block_classes(128, 128, 32, 32, 64)
+    assert panel(explorer)["fc-skip"] == str(sum(row.count("skip") for row in classes))
+    explorer.controls["window"].value = 16
+    classes = widgets.block_classes(128, 128, 32, 32, 64, 16)
+    assert panel(explorer)["fc-skip"] == str(sum(row.count("skip") for row in classes))
+
+
+def test_widgets_build_in_a_plain_python_process():
+    code = ("from flashcourse import widgets\n"
+            "e = widgets.tile_explorer(); e.controls['tile'].value = 2\n"
+            "assert 'class=\"fc-l\">1.5530<' in e.panel.value, e.panel.value\n"
+            "widgets.causal_blocks(64, 64, 16, 16)\n"
+            "import matplotlib.pyplot\n"
+            "assert not matplotlib.pyplot.get_fignums(), 'no pyplot figure should be left open'\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
