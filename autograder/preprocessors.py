@@ -68,7 +68,9 @@ def graded_names(source: nbformat.NotebookNode) -> list[str]:
     for cell in source.cells:
         if cell.cell_type == "code" and cell.metadata.get("nbgrader", {}).get("solution"):
             for node in ast.parse(cell.source).body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                # Kernels (@triton.jit) are launched by the graded wrapper, never called by a test.
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                        not any("jit" in ast.unparse(d) for d in node.decorator_list):
                     names.append(node.name)
     return names
 
@@ -76,6 +78,25 @@ def graded_names(source: nbformat.NotebookNode) -> list[str]:
 def _is_test_cell(cell) -> bool:
     meta = cell.metadata.get("nbgrader", {})
     return cell.cell_type == "code" and meta.get("grade") and not meta.get("solution")
+
+
+class RestoreDeletedTests(NbGraderPreprocessor):
+    """Put back, from source/, every test cell the learner deleted or stripped of its metadata."""
+
+    def preprocess(self, nb, resources):
+        present = {c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells if _is_test_cell(c)}
+        previous_id = None
+        for cell in _source_notebook(resources).cells:
+            grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if _is_test_cell(cell) and grade_id not in present:
+                ids = [c.get("id") for c in nb.cells]
+                at = ids.index(previous_id) + 1 if previous_id in ids else len(nb.cells)
+                restored = nbformat.v4.new_code_cell(cell.source, metadata=cell.metadata)
+                restored["id"] = f"restored-{grade_id}"
+                nb.cells.insert(at, restored)
+                self.log.warning("restored the deleted test cell %s", grade_id)
+            previous_id = cell.get("id")
+        return nb, resources
 
 
 class RecordGradedCalls(NbGraderPreprocessor):

@@ -35,7 +35,9 @@ def _digest_parts(value: Any, parts: list) -> None:
     """Append a canonical, type-tagged description of `value` (tensors by content) to parts."""
     import torch
 
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":  # no data: shape and dtype only
+        parts.append(("meta tensor", str(value.dtype), tuple(value.shape)))
+    elif isinstance(value, torch.Tensor):
         data = value.detach().cpu().contiguous()
         raw = data.view(torch.int16) if data.dtype in (torch.bfloat16, torch.float16) else data
         parts.append(("tensor", str(value.dtype), tuple(value.shape), str(value.device.type),
