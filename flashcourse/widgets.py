@@ -527,9 +527,11 @@ def _row_explorer(rows: Callable[[int], tuple[list[float], list[float]]], n_rows
                         "correct recurrence.")
                 steps, status = correct, ("your tile_update failed:\nshowing the correct\nrecurrence", MAX_NEW)
             else:
-                compare = correct
-                note = _learner_note(steps, correct, len(scores), size)
-                right = not any(_differs(s.output, c.output) for s, c in zip(steps, correct))
+                note = _learner_note(steps, len(scores), size)
+                right = not any(_differs(x, y) for s, c in zip(steps, correct)
+                                for x, y in ((s.m_new, c.m_new), (s.l_new, c.l_new), (s.a_new, c.a_new)))
+                # A learner's trace that is right is drawn as the correct one is; a wrong one beside it.
+                compare = None if right else correct
                 status = ("your tile_update", OUTPUT if right else MAX_NEW)
         elif choice != _CORRECT:
             steps, compare = recurrence.trace(scores, values, size, choice), correct
@@ -544,15 +546,13 @@ def _row_explorer(rows: Callable[[int], tuple[list[float], list[float]]], n_rows
     return Explorer(controls, render, extra=[play])
 
 
-def _learner_note(steps, correct, length: int, size: int) -> str:
+def _learner_note(steps, length: int, size: int) -> str:
     """Where the learner's trace first leaves the recurrence, in the checks' words."""
     for step in steps:
         problem = checks.explain_state((step.m_new, step.l_new, step.a_new), step.m_old, step.l_old, step.a_old,
                                        step.scores, step.values, f"tile {step.index + 1}")
         if problem:
             return f'<b style="color:{MAX_NEW};">Your tile_update leaves the recurrence.</b> {html.escape(problem)}'
-    if any(_differs(s.output, c.output) for s, c in zip(steps, correct)):
-        return "Your tile_update matches the recurrence tile by tile, yet the outputs differ: check the row's -inf scores."
     return (f'<b style="color:#2F6F3E;">Your tile_update matches the recurrence</b> on all {len(steps)} tiles '
             f"of this row ({length} scores, tiles of {size}).")
 
