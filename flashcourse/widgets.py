@@ -632,7 +632,7 @@ def causal_blocks(T: int, S: int, block_m: int, block_n: int, offset: int | None
         counts = {kind: sum(row.count(kind) for row in classes) for kind in BLOCK_COLORS}
         total = sum(counts.values())
         computed = counts[FULL] + counts[PARTIAL]
-        panel = (f'<div class="fc-panel" style="font-size:13px;margin:4px 10px;">'
+        panel = (f'{_PANEL_STYLE}<div class="fc-panel" style="margin:4px 10px;">'
                  f'<span class="fc-full">{counts[FULL]}</span> tiles run in full, '
                  f'<span class="fc-partial">{counts[PARTIAL]}</span> masked in part, '
                  f'<span class="fc-skip">{counts[SKIP]}</span> skipped, of '

@@ -114,14 +114,14 @@ def lab(tmp_path):
         log.close()
 
 
-def _wait_for_kernel(url: str, token: str) -> None:
+def _wait_for_kernel(url: str, token: str, notebook: str) -> None:
     """Until the notebook's kernel is started, connected to the page and idle (the page's own indicator
     says idle before the kernel exists, and a cell run then is lost)."""
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
         with urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=5) as answer:
-            kernels = [s["kernel"] for s in json.load(answer) if s.get("kernel")]
-        if kernels and all(k["execution_state"] == "idle" and k["connections"] > 0 for k in kernels):
+            kernels = [s["kernel"] for s in json.load(answer) if s.get("path") == notebook and s.get("kernel")]
+        if any(k["execution_state"] == "idle" and k["connections"] > 0 for k in kernels):
             return
         time.sleep(0.5)
     pytest.fail(f"the notebook's kernel was not idle within {START_S} s")
@@ -154,7 +154,7 @@ def test_tile_explorer_in_jupyterlab(lab, tmp_path):
         try:
             page.goto(f"{url}/lab/tree/{NOTEBOOK.name}?token={token}")
             page.locator(".jp-NotebookPanel").wait_for(timeout=START_S * 1000)
-            _wait_for_kernel(url, token)
+            _wait_for_kernel(url, token, NOTEBOOK.name)
             expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_be_visible()
 
             setup = _run_cell(page, "runtime.setup()")
