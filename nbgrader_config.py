@@ -32,6 +32,16 @@ c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "gradebook.db")
 c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True
 
+# A duplicated grade cell is dropped instead of aborting the notebook.
+c.Autograde.sanitize_preprocessors = [
+    "nbgrader.preprocessors.ClearOutput",
+    preprocessors.DropDuplicateCells,
+    "nbgrader.preprocessors.DeduplicateIds",
+    "nbgrader.preprocessors.OverwriteKernelspec",
+    "nbgrader.preprocessors.OverwriteCells",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]
+
 # Verdicts are decided in this process, not the learner's kernel: test cells record the graded
 # functions' answers, then each test cell reruns here against those records (autograder/record.py).
 # Only an exception fails a test: warnings on stderr (torch and Triton print some) cost nothing.

@@ -91,8 +91,9 @@ def sandbox_kernel(scratch: Path, hidden: list[Path]) -> dict[str, str] | None:
     spec.mkdir(parents=True)
     caches = {"HOME": home, "IPYTHONDIR": home / ".ipython", "MPLCONFIGDIR": home / ".matplotlib",
               "TRITON_CACHE_DIR": home / ".triton", "TMPDIR": scratch / "tmp"}
+    # Interrupts go as messages: a signal would reach bwrap, not the kernel inside it.
     (spec / "kernel.json").write_text(json.dumps({
-        "argv": argv, "display_name": "Python 3 (grading sandbox)", "language": "python",
+        "argv": argv, "display_name": "Python 3 (grading sandbox)", "language": "python", "interrupt_mode": "message",
         "env": {k: str(v) for k, v in caches.items()}}))
     (scratch / "tmp").mkdir()
     return {"JUPYTER_PATH": str(scratch / "jupyter"), "TMPDIR": str(scratch / "tmp")}

@@ -80,6 +80,23 @@ def _is_test_cell(cell) -> bool:
     return cell.cell_type == "code" and meta.get("grade") and not meta.get("solution")
 
 
+class DropDuplicateCells(NbGraderPreprocessor):
+    """Keep the first cell of each grade id and drop later copies (nbgrader would abort the notebook)."""
+
+    def preprocess(self, nb, resources):
+        seen, kept = set(), []
+        for cell in nb.cells:
+            grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if grade_id in seen:
+                self.log.warning("dropped a duplicate of cell %s", grade_id)
+                continue
+            if grade_id:
+                seen.add(grade_id)
+            kept.append(cell)
+        nb.cells = kept
+        return nb, resources
+
+
 class RestoreDeletedTests(NbGraderPreprocessor):
     """Put back, from source/, every test cell the learner deleted or stripped of its metadata."""
 
