@@ -492,9 +492,8 @@ def _row_explorer(rows: Callable[[int], tuple[list[float], list[float]]], n_rows
                for bug in recurrence.BUGS]
     if update is not None:
         options.insert(0, ("your tile_update", _LEARNER))
-    controls = dict(extra_controls or {})
-    if n_rows > 1:
-        controls["row"] = _slider("query row", n_rows - 1, 0, n_rows - 1)
+    controls = {"row": _slider("query row", n_rows - 1, 0, n_rows - 1)} if n_rows > 1 else {}
+    controls.update(extra_controls or {})
     controls["tile_size"] = _slider("tile size", min(tile, length), 1, length)
     controls["tile"] = _slider("after tile", 1, 1, math.ceil(length / controls["tile_size"].value))
     controls["recurrence"] = ipywidgets.Dropdown(options=options, value=options[0][1], description="recurrence",
