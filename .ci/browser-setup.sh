@@ -14,7 +14,7 @@ if [ ! -x /usr/bin/chromium ]; then
 fi
 
 if ! "$VENV/bin/python" -c "import playwright" 2>/dev/null; then
-    PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 "$VENV/bin/python" -m pip install --quiet "playwright>=1.45"
+    "$VENV/bin/python" -m pip install --quiet "playwright>=1.45"
 fi
 
 /usr/bin/chromium --version
