@@ -46,9 +46,10 @@ c.Autograde.sanitize_preprocessors = [
 # functions' answers, then each test cell reruns here against those records (autograder/record.py).
 # Only an exception fails a test: warnings on stderr (torch and Triton print some) cost nothing.
 c.Autograde.autograde_preprocessors = [
-    *([preprocessors.RestoreDeletedTests, preprocessors.RecordGradedCalls] if os.environ.get("FLASHCOURSE_TRUSTED") else []),
+    preprocessors.RestoreDeletedTests,
+    preprocessors.RecordGradedCalls,
     "nbgrader.preprocessors.Execute",
-    *([preprocessors.TrustedVerdicts] if os.environ.get("FLASHCOURSE_TRUSTED") else []),
+    preprocessors.TrustedVerdicts,
     preprocessors.StderrIsNotFailure,
     "nbgrader.preprocessors.IgnorePattern",
     "nbconvert.preprocessors.ClearMetadataPreprocessor",

@@ -25,6 +25,7 @@ from typing import Any
 
 RECORD_DIR_ENV = "FLASHCOURSE_RECORD_DIR"
 RECORDS = "calls.jsonl"
+MAX_ALLOCATIONS = 64  # the largest tensors a recorded call created, for memory checks
 # Exceptions a replay may raise as themselves; any other becomes a RuntimeError with its name.
 REPLAYABLE_ERRORS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, AssertionError,
                                              RuntimeError, ZeroDivisionError, IndexError, KeyError,
@@ -111,14 +112,22 @@ class Recorder:
         self.__wrapped__ = function
 
     def __call__(self, *args, **kwargs):
+        from flashcourse import memory
+
         key = digest(self.name, args, kwargs)
         entry: dict[str, Any] = {"cell": self.cell, "name": self.name, "key": key}
+        tracker = memory.active()     # a memory check is watching this call: keep what it sees
+        seen = len(tracker.allocations) if tracker else 0
         try:
             result = self.function(*args, **kwargs)
         except Exception as error:
             entry["error"] = [type(error).__name__, str(error)[:2000]]
             self._write(entry, {})
             raise
+        finally:
+            if tracker:
+                largest = sorted(tracker.allocations[seen:], key=lambda a: -a.nbytes)[:MAX_ALLOCATIONS]
+                entry["allocations"] = [[a.op, list(a.shape), str(a.dtype), a.nbytes] for a in largest]
         tensors: dict = {}
         entry["output"] = _encode(result, tensors)
         self._write(entry, tensors)
@@ -175,6 +184,7 @@ class Replayer:
             raise AssertionError(f"{self.name} has no recorded answer for one of the test's inputs: the test did "
                                  "not run to the end in the notebook (the kernel stopped, ran out of time, or "
                                  "the cell was changed)")
+        self._report_allocations(entry)
         if "error" in entry:
             kind, message = entry["error"]
             raise REPLAYABLE_ERRORS.get(kind, RuntimeError)(message if kind in REPLAYABLE_ERRORS
@@ -189,3 +199,20 @@ class Replayer:
             except Exception:
                 raise AssertionError(f"the recorded answer of {self.name} is unreadable") from None
         return _decode(entry.get("output"), tensors)
+
+    @staticmethod
+    def _report_allocations(entry: dict) -> None:
+        """Tell a memory check watching the replay what the learner's call allocated in the notebook."""
+        import torch
+
+        from flashcourse import memory
+
+        tracker = memory.active()
+        if tracker is None:
+            return
+        allocations = []
+        for op, shape, dtype, nbytes in entry.get("allocations") or []:
+            kind = getattr(torch, str(dtype).removeprefix("torch."), None)
+            if isinstance(kind, torch.dtype):
+                allocations.append(memory.Allocation(str(op), tuple(int(n) for n in shape), kind, int(nbytes)))
+        tracker.note(allocations)

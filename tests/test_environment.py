@@ -19,8 +19,10 @@ def test_conda_and_pip_dependencies_agree():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pip = {_name(r): r.replace(" ", "") for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
     conda = {}
-    for dep in yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]:
-        if isinstance(dep, str) and _name(dep) not in ("python", "pip"):
+    listed = yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]
+    from_pip = [d for entry in listed if isinstance(entry, dict) for d in entry.get("pip", [])]
+    for dep in [d for d in listed if isinstance(d, str)] + from_pip:
+        if _name(dep) not in ("python", "pip"):
             name = CONDA_NAMES.get(_name(dep), _name(dep))
             conda[name] = name + dep.replace(" ", "")[len(_name(dep)):]
     assert pip == conda
