@@ -1,9 +1,16 @@
 """flashcourse: the library behind the FlashAttention course notebooks.
 
-runtime    decides once between a GPU and the Triton interpreter (every notebook starts with it)
-reference  the unfused attention spec every check compares with
-checks     comparisons whose failure messages name the learner's likely mistake
-engine     the finished implementations, generated from the solution cells of source/
+runtime           decides once between a GPU and the Triton interpreter (every notebook starts with it)
+reference         the unfused attention spec every check compares with (float64 ground truth)
+recurrence        the online-softmax recurrence as data, tile by tile, with the classic bugs injectable
+checks            01's checks: failure messages name the tile, the statistic and the likely mistake
+attention_checks  the same for tensors (03 onwards): GQA mapping, offsets, masks, scale, NaN rows
+kernel_checks     the same for Triton kernels (04 onwards): block skipping, windows, dtypes
+memory            an allocation tracker, to show what the unfused and tiled versions keep alive
+widgets           the tile explorer and the causal block picture
+selfcheck         `python -m flashcourse.selfcheck NOTEBOOK`: run a notebook's visible tests
+bench             GPU benchmarks against torch's scaled_dot_product_attention
+engine            the finished implementations, generated from the solution cells of source/
 """
 
 __version__ = "0.1.0"
