@@ -1,0 +1,126 @@
+"""Hidden checks for 05_fast_kernel, under Triton's interpreter on a CPU (float32) or compiled on a GPU.
+
+Correctness and the structure of the steps, never speed: the diagonal split gives what the single
+masked loop gives, the autotuned launch what explicit blocks give, and the split-KV decode what the
+unsplit one gives, for split counts that leave chunks empty too. 04's hidden checks are reused for
+prefill, GQA, block skipping and the window. Shapes are seeded; T and S divide by no block size.
+"""
+
+import random
+
+import torch
+
+from autograder.hidden import triton_flash as h04
+from flashcourse import attention_checks as ac
+from flashcourse import kernel_checks as kc
+from flashcourse import reference, runtime
+
+
+def _dims():
+    rt = runtime.current()
+    return rt, ((16, 32) if rt.interpret else (64, 128))
+
+
+def _raises(fn, what, *tensors, **kwargs):
+    try:
+        fn(*tensors, **kwargs)
+    except ValueError:
+        return
+    raise AssertionError(f"{getattr(fn, '__name__', 'the function')} should raise ValueError when {what}")
+
+
+def test_validation(fast_attention, fast_decode) -> None:
+    """04's ValueErrors for fast_attention; for fast_decode the same ones, and T != 1."""
+    rt = runtime.current()
+    kc.check_validation(fast_attention, rt.device, rt.dtype)
+    make = lambda *shape: torch.zeros(*shape, device=rt.device, dtype=rt.dtype)  # noqa: E731
+    _raises(fast_decode, "D = 24", make(1, 2, 1, 24), make(1, 2, 8, 24), make(1, 2, 8, 24))
+    _raises(fast_decode, "Hq = 3 and Hkv = 2", make(1, 3, 1, 16), make(1, 2, 8, 16), make(1, 2, 8, 16))
+    _raises(fast_decode, "T = 2 (decode takes one query per sequence)", make(1, 2, 2, 16), make(1, 2, 8, 16),
+            make(1, 2, 8, 16))
+
+
+def test_prefill(fast_attention) -> None:
+    """04's prefill and GQA checks with explicit blocks, then the autotuned launch (no blocks given)."""
+    h04.test_prefill(fast_attention)
+    h04.test_gqa(fast_attention)
+    rt, dims = _dims()
+    rng = random.Random(51)
+    cases = [ac.make_case(f"autotuned, T={t}, S={s}, group {hq // hkv}", batch=b, q_heads=hq, kv_heads=hkv, t=t, s=s,
+                          d=rng.choice(dims), dtype=rt.dtype, device=rt.device, seed=rng.randrange(10**6))
+             for b, hq, hkv, t, s in ((2, 2, 2, 37, 37), (1, 4, 1, 21, 50), (1, 2, 2, 1, 29))]
+    kc.check_cases(fast_attention, cases)
+
+
+def _compare(fast_attention, c: ac.Case, words: str) -> None:
+    """The split and the single loop, each right, and equal to each other within the dtype's tolerance."""
+    kc.check_cases(fast_attention, [c.with_kwargs(split_diagonal=False)])
+    try:
+        kc.check_cases(fast_attention, [c.with_kwargs(split_diagonal=True)])
+    except AssertionError as error:
+        raise AssertionError(f"{error} The single masked loop gets this case right and the split does not: {words}") \
+            from None
+    single, split = c.with_kwargs(split_diagonal=False).call(fast_attention), c.call(fast_attention)
+    rtol, atol = ac.tolerance(c.q.dtype)
+    if not torch.allclose(split.float(), single.float(), rtol=rtol, atol=atol):
+        raise AssertionError(f"{c.describe()}: split_diagonal=True and False differ by "
+                             f"{(split.float() - single.float()).abs().max():.2e}")
+
+
+def test_diagonal_split(fast_attention) -> None:
+    """Unmasked tiles below the diagonal, masked ones on it: the same output as one masked loop."""
+    rt, dims = _dims()
+    rng = random.Random(52)
+    words = ("an unmasked tile held a key that some query of the block may not see. Only tiles ending at or before "
+             "the block's first query position may skip the mask: round that position down to a tile.")
+    for (block_m, block_n), t, s, offset in (((16, 16), 37, 37, None), ((32, 16), 45, 45, None),
+                                              ((16, 32), 40, 40, None), ((16, 16), 9, 60, 13),
+                                              ((32, 16), 20, 71, None), ((16, 16), 30, 30, 0)):
+        spec = dict(query_offset=offset) if offset is not None else {}
+        c = kc.case(f"{block_m}x{block_n}, T={t}, S={s}", q_heads=2, kv_heads=1, t=t, s=s, d=rng.choice(dims),
+                    block_m=block_m, block_n=block_n, dtype=rt.dtype, device=rt.device, seed=rng.randrange(10**6),
+                    **spec)
+        _compare(fast_attention, c, words)
+    q, k, v = (torch.randn(1, 2, 33, dims[0], device=rt.device, dtype=rt.dtype) for _ in range(3))
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=False)
+    rtol, atol = ac.tolerance(rt.dtype)
+    for split in (True, False):
+        got = fast_attention(q, k, v, causal=False, block_m=16, block_n=16, split_diagonal=split).cpu().double()
+        assert torch.allclose(got, want, rtol=rtol, atol=atol), (
+            f"causal=False, T=S=33, 16x16 blocks, split_diagonal={split}: every query sees every key, max |error| "
+            f"{(got - want).abs().max():.2e}. Without the causal mask only the last, partial tile needs a mask.")
+
+
+def test_window_and_skipping(fast_attention) -> None:
+    """04's block-skipping and sliding-window checks: NaN past the last visible key is never read."""
+    h04.test_block_skipping(fast_attention)
+    h04.test_window(fast_attention)
+
+
+def test_decode(fast_decode) -> None:
+    """Split-KV decode against the reference and against one split, GQA 1-8, empty chunks included."""
+    rt, dims = _dims()
+    rng = random.Random(53)
+    rtol, atol = ac.tolerance(rt.dtype)
+    for batch, q_heads, kv_heads, s in ((1, 2, 2, 1), (2, 4, 1, 45), (1, 8, 4, 70), (1, 8, 1, 33)):
+        gen = torch.Generator().manual_seed(rng.randrange(10**6))
+        d = rng.choice(dims)
+        q = torch.randn(batch, q_heads, 1, d, generator=gen).to(rt.device, rt.dtype)
+        k = torch.randn(batch, kv_heads, s, d, generator=gen).to(rt.device, rt.dtype)
+        v = torch.randn(batch, kv_heads, s, d, generator=gen).to(rt.device, rt.dtype)
+        want = reference.attention(q.cpu(), k.cpu(), v.cpu())
+        one = fast_decode(q, k, v, splits=1)
+        where = f"B={batch}, Hq={q_heads}, Hkv={kv_heads}, S={s}, D={d}"
+        assert torch.allclose(one.cpu().double(), want, rtol=rtol, atol=atol), (
+            f"fast_decode, {where}, splits=1: max |error| {(one.cpu().double() - want).abs().max():.2e} against the "
+            "reference (one chunk holding every key, so the split kernel itself is wrong)")
+        for splits in (None, 3, 8, 64):
+            got = fast_decode(q, k, v, splits=splits).cpu().double()
+            if not torch.allclose(got, want, rtol=rtol, atol=atol):
+                error = (got - want).abs().max()
+                hint = (" Some chunks hold no key here: their partial must have m = -inf and weigh 0 in the merge."
+                        if splits and splits * 16 > s else "")
+                raise AssertionError(
+                    f"fast_decode, {where}, splits={splits}: max |error| {error:.2e}, while splits=1 is right. The "
+                    "merge is wrong: each partial (m_i, l_i, acc_i) must be rescaled by exp(m_i - M), M the largest "
+                    f"m_i, in both the numerator and the denominator.{hint}")

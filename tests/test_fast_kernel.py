@@ -1,0 +1,68 @@
+"""The exported fast kernel of 05 on small shapes: Triton's interpreter on a CPU, compiled on a GPU."""
+
+import pytest
+import torch
+
+from flashcourse import attention_checks as ac
+from flashcourse import kernel_checks as kc
+from flashcourse import reference, runtime
+from flashcourse.engine.fast_kernel import fast_attention, fast_decode
+
+RT = runtime.current()
+
+
+def test_standard_cases_autotuned():
+    """Prefill, chunked prefill, decode, GQA and large scores through the autotuned launch."""
+    kc.check_cases(fast_attention, ac.standard_cases(RT.dtype, RT.device))
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_split_and_single_loop(split):
+    """T = 45, S = 51, GQA 2, 32 x 16 blocks: the diagonal split and the single loop both match."""
+    c = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=32, block_n=16,
+                dtype=RT.dtype, device=RT.device)
+    kc.check_cases(fast_attention, [c.with_kwargs(split_diagonal=split)])
+
+
+def test_exp_and_exp2_agree():
+    """exp2 with log2(e) in the scale computes the same softmax as exp."""
+    q, k, v = (torch.randn(1, 2, 40, 16, device=RT.device, dtype=RT.dtype) for _ in range(3))
+    rtol, atol = ac.tolerance(RT.dtype)
+    assert torch.allclose(fast_attention(q, k, v, exp2=False), fast_attention(q, k, v), rtol=rtol, atol=atol)
+
+
+def test_not_causal():
+    """causal=False: every query sees every key, T != S."""
+    q = torch.randn(1, 2, 20, 16, device=RT.device, dtype=RT.dtype)
+    k, v = (torch.randn(1, 1, 37, 16, device=RT.device, dtype=RT.dtype) for _ in range(2))
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=False)
+    rtol, atol = ac.tolerance(RT.dtype)
+    assert torch.allclose(fast_attention(q, k, v, causal=False).cpu().double(), want, rtol=rtol, atol=atol)
+
+
+def test_window_and_nan_past_the_queries():
+    """A window, and queries in the middle of a cache whose tail is NaN."""
+    kc.check_window(fast_attention, [kc.case("window", q_heads=2, kv_heads=2, t=40, window=6, block_m=16,
+                                             block_n=16, dtype=RT.dtype, device=RT.device)])
+    kc.check_block_skipping(fast_attention, [kc.case("middle", q_heads=2, kv_heads=1, t=12, s=80, query_offset=25,
+                                                     block_m=16, block_n=16, dtype=RT.dtype, device=RT.device)])
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 40])
+def test_decode_splits(splits):
+    """fast_decode, GQA 4, S = 50: any split count, 40 leaving most chunks empty, matches the reference."""
+    q = torch.randn(2, 8, 1, 32, device=RT.device, dtype=RT.dtype)
+    k, v = (torch.randn(2, 2, 50, 32, device=RT.device, dtype=RT.dtype) for _ in range(2))
+    rtol, atol = ac.tolerance(RT.dtype)
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu())
+    assert torch.allclose(fast_decode(q, k, v, splits=splits).cpu().double(), want, rtol=rtol, atol=atol)
+
+
+def test_validation():
+    """04's ValueErrors; fast_decode rejects T != 1; a window needs causal attention; blocks come in pairs."""
+    kc.check_validation(fast_attention, RT.device, RT.dtype)
+    q = torch.randn(1, 2, 4, 16, device=RT.device, dtype=RT.dtype)
+    for call in (lambda: fast_decode(q, q, q), lambda: fast_attention(q, q, q, window=2, causal=False),
+                 lambda: fast_attention(q, q, q, block_m=16), lambda: fast_attention(q, q, q, query_offset=-1)):
+        with pytest.raises(ValueError):
+            call()

@@ -1,0 +1,52 @@
+"""The compiled fast kernels on a CUDA GPU: every hidden check of 05 and of 04, long shapes in bf16 and
+fp16 against an FP32 reference, and split-KV decode at long S."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")]
+
+HIDDEN = ["test_prefill", "test_diagonal_split", "test_window_and_skipping", "test_decode"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from flashcourse.engine import fast_kernel
+
+    return fast_kernel
+
+
+def test_hidden_validation(engine):
+    """ValueErrors on the GPU, k and v on another device included."""
+    from autograder.hidden import fast_kernel as hidden
+
+    hidden.test_validation(engine.fast_attention, engine.fast_decode)
+
+
+@pytest.mark.parametrize("name", HIDDEN)
+def test_hidden_checks_compiled(engine, name):
+    """Every hidden check of 05 passes on the GPU, in the runtime's dtype (bf16 on an H200)."""
+    from autograder.hidden import fast_kernel as hidden
+
+    fn = engine.fast_decode if name == "test_decode" else engine.fast_attention
+    getattr(hidden, name)(fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_long_autotuned(engine, dtype, causal):
+    """T = S = 3001 (no block divides it), GQA 4, D = 128, autotuned: error against FP32 within 2e-2."""
+    from flashcourse.bench_fast import _inputs, max_error
+
+    q, k, v = _inputs(2, 8, 2, 3001, 3001, 128, dtype)
+    assert max_error(engine.fast_attention(q, k, v, causal=causal), q, k, v, causal) < 2e-2
+
+
+@pytest.mark.parametrize("batch, s", [(1, 32768), (8, 8191), (3, 131072)])
+def test_long_decode(engine, batch, s):
+    """fast_decode at long S, Hq = 32, Hkv = 8, default splits: error against FP32 within 1e-2."""
+    from flashcourse.bench_fast import _inputs, max_error
+
+    q, k, v = _inputs(batch, 32, 8, 1, s, 128, torch.bfloat16)
+    assert max_error(engine.fast_decode(q, k, v), q, k, v, False) < 1e-2
