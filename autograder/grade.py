@@ -79,8 +79,11 @@ def sandbox_kernel(scratch: Path, hidden: list[Path]) -> dict[str, str] | None:
         return None
     home = scratch / "home"
     home.mkdir()
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--bind", str(scratch), str(scratch), "--die-with-parent"]
+    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    # The course and its environment stay visible even when they live under /tmp (a CI clone).
+    for keep in sorted({ROOT, Path(sys.prefix).resolve()}):
+        argv += ["--ro-bind", str(keep), str(keep)]
+    argv += ["--bind", str(scratch), str(scratch), "--die-with-parent"]
     for path in hidden:
         if path.is_dir():
             argv += ["--tmpfs", str(path)]
