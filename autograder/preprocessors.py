@@ -168,6 +168,7 @@ class TrustedVerdicts(NbGraderPreprocessor):
     @staticmethod
     def _replay(cell, names, entries, folder) -> tuple[str, str] | None:
         namespace = {"__name__": "__grader__", **{n: record.Replayer(n, entries, folder) for n in names}}
+        record.reset_randomness()
         try:
             exec(compile(cell.source, f"<test cell {cell.metadata.nbgrader['grade_id']}>", "exec"), namespace)
         except Exception as error:

@@ -143,11 +143,23 @@ class Recorder:
             f.write(json.dumps(entry, allow_nan=True) + "\n")
 
 
+def reset_randomness() -> None:
+    """Seed Python's and torch's global generators, on both sides, so that a test cell drawing unseeded
+    random inputs draws the same ones in the kernel and in the replay, whatever ran before it."""
+    import random
+
+    import torch
+
+    random.seed(0)
+    torch.manual_seed(0)
+
+
 def wrap(namespace: dict, cell: str, names: list[str]) -> None:
     """Kernel side, at the start of a graded cell: wrap the graded functions defined in namespace."""
     folder = os.environ.get(RECORD_DIR_ENV)
     if not folder:
         return  # not being graded: the learner is running the notebook
+    reset_randomness()
     Path(folder).mkdir(parents=True, exist_ok=True)
     for name in names:
         function = namespace.get(name)
