@@ -56,12 +56,17 @@ def _generated_note(assignment: str, what: str) -> dict:
     return {"generated": f"{what} of source/{assignment}/{assignment}.ipynb by `make build`; edit the source, not this"}
 
 
+def nbgrader_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for an nbgrader command, plus `extra`."""
+    # nbgrader runs `alembic` by name: put this interpreter's scripts first on PATH.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return {**os.environ, "PATH": path, **(extra or {})}
+
+
 def nbgrader(*args: str, db: Path) -> None:
     """Run an nbgrader command from the course root against a gradebook of our choosing."""
     cmd = [sys.executable, "-m", "nbgrader", *args, f"--CourseDirectory.db_url=sqlite:///{db}", "--log-level=WARN"]
-    # nbgrader runs `alembic` by name: put this interpreter's scripts first on PATH.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PATH": path})
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=nbgrader_environment())
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd[2:])} failed:\n{done.stdout}\n{done.stderr}")
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import ROOT
-from .build import assignments as known_assignments
+from .build import assignments as known_assignments, nbgrader_environment
 
 STUDENT_TIMEOUT_S = 30 * 60     # a whole notebook; one cell is limited by nbgrader_config's Execute.timeout
 MEMORY_LIMIT_BYTES = 16 << 30   # address space of the grading processes (torch reserves some up front)
@@ -59,12 +59,6 @@ def nbgrader_cmd(*args: str, db: Path, folders: dict[str, Path]) -> list[str]:
 
 
 SANDBOX_KERNEL = "flashcourse-sandbox"
-
-
-def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    # nbgrader runs `alembic` by name: put this interpreter's scripts first on PATH.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return {**os.environ, "PATH": path, **(extra or {})}
 
 
 def sandbox_kernel(scratch: Path, hidden: list[Path]) -> dict[str, str] | None:
@@ -108,7 +102,7 @@ def _limit_memory() -> None:
 
 def run_limited(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run cmd in its own process group under the memory limit; kill the whole group at the timeout."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_environment(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=nbgrader_environment(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=_limit_memory)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -119,14 +113,15 @@ def run_limited(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
         return None, out
 
 
-def read_scores(db: Path, student: str | None = None) -> list[Score]:
+def read_scores(db: Path, student: str) -> list[Score]:
+    """Every grade of `student` in a gradebook."""
     from nbgrader.api import Gradebook
 
     scores = []
     with Gradebook(f"sqlite:///{db}") as gb:
         for assignment in gb.assignments:
             for submission in gb.assignment_submissions(assignment.name):
-                if student is not None and submission.student.id != student:
+                if submission.student.id != student:
                     continue
                 for notebook in submission.notebooks:
                     for grade in notebook.grades:
