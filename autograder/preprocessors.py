@@ -51,7 +51,8 @@ class PlainErrors(NbGraderPreprocessor):
 
 # --- Verdicts decided by the grader (see autograder/record.py) ---
 
-RECORD_LINE = '__import__("autograder.record").record.wrap(globals(), {cell!r}, {names!r})  # grader: record calls\n'
+RECORD_MARK = "  # grader: record calls\n"  # ends the line put before each test cell, and finds it again
+RECORD_LINE = '__import__("autograder.record").record.wrap(globals(), {cell!r}, {names!r})' + RECORD_MARK
 # Learner code that uses the course's finished answers instead of writing its own.
 FORBIDDEN_ANYWHERE = re.compile(r"flashcourse\s*\.\s*engine|from\s+flashcourse\s+import\s+[^\n]*\bengine\b|autograder")
 FORBIDDEN_IN_SOLUTIONS = re.compile(r"reference\s*\.\s*attention|softmax_weighted_sum|scaled_dot_product_attention")
@@ -75,7 +76,7 @@ def graded_names(source: nbformat.NotebookNode) -> list[str]:
     return names
 
 
-def _is_test_cell(cell) -> bool:
+def is_test_cell(cell) -> bool:
     meta = cell.metadata.get("nbgrader", {})
     return cell.cell_type == "code" and meta.get("grade") and not meta.get("solution")
 
@@ -101,11 +102,11 @@ class RestoreDeletedTests(NbGraderPreprocessor):
     """Put back, from source/, every test cell the learner deleted or stripped of its metadata."""
 
     def preprocess(self, nb, resources):
-        present = {c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells if _is_test_cell(c)}
+        present = {c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells if is_test_cell(c)}
         previous_id = None
         for cell in _source_notebook(resources).cells:
             grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
-            if _is_test_cell(cell) and grade_id not in present:
+            if is_test_cell(cell) and grade_id not in present:
                 ids = [c.get("id") for c in nb.cells]
                 at = ids.index(previous_id) + 1 if previous_id in ids else len(nb.cells)
                 restored = nbformat.v4.new_code_cell(cell.source, metadata=cell.metadata)
@@ -125,7 +126,7 @@ class RecordGradedCalls(NbGraderPreprocessor):
         os.environ[record.RECORD_DIR_ENV] = folder  # the kernel, started after this, inherits it
         resources["flashcourse_record"] = {"folder": folder, "names": names}
         for cell in nb.cells:
-            if _is_test_cell(cell):
+            if is_test_cell(cell):
                 cell.source = RECORD_LINE.format(cell=cell.metadata.nbgrader["grade_id"], names=names) + cell.source
         return nb, resources
 
@@ -134,7 +135,7 @@ def _learner_code(nb, source) -> tuple[str, str]:
     """(code of every cell the learner wrote or changed, code of their solution cells)."""
     given = {(c.get("id"), c.source) for c in source.cells}
     written = [c for c in nb.cells if c.cell_type == "code" and (c.get("id"), c.source) not in given
-               and not _is_test_cell(c)]
+               and not is_test_cell(c)]
     solutions = [c for c in nb.cells if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution")]
     return "\n".join(c.source for c in written), "\n".join(c.source for c in solutions)
 
@@ -149,9 +150,9 @@ class TrustedVerdicts(NbGraderPreprocessor):
         written, solutions = _learner_code(nb, _source_notebook(resources))
         banned = FORBIDDEN_ANYWHERE.search(written) or FORBIDDEN_IN_SOLUTIONS.search(solutions)
         for cell in nb.cells:
-            if not _is_test_cell(cell):
+            if not is_test_cell(cell):
                 continue
-            cell.source = cell.source.split("  # grader: record calls\n", 1)[-1]
+            cell.source = cell.source.split(RECORD_MARK, 1)[-1]
             if banned:
                 failure = ("AssertionError", f"the notebook uses the course's finished implementation "
                                              f"({banned.group(0)!r}) instead of its own code")

@@ -81,13 +81,13 @@ def _free_names(code: str) -> set[str]:
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_test_cells_are_self_contained(assignment):
     """A test cell uses only its own imports and the graded functions: the grader reruns it on its own."""
-    from autograder.preprocessors import graded_names
+    from autograder.preprocessors import graded_names, is_test_cell
 
     source = _source(assignment)
     graded = set(graded_names(source))
     for cell in source.cells:
         meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type == "code" and meta.get("grade") and not meta.get("solution"):
+        if is_test_cell(cell):
             free = _free_names(cell.source) - graded
             assert not free, (f"{assignment}/{meta['grade_id']} uses {sorted(free)} from earlier cells: "
                               "import or define them in the test cell itself")
