@@ -24,6 +24,16 @@ def test_split_and_single_loop(split):
     kc.check_cases(fast_attention, [c.with_kwargs(split_diagonal=split)])
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_descriptor_and_pointer_loads(tma):
+    """K and V through tensor descriptors or through pointers: both match, with GQA, odd T and S, a window."""
+    odd = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=32, block_n=16,
+                  dtype=RT.dtype, device=RT.device)
+    kc.check_cases(fast_attention, [odd.with_kwargs(tma=tma)])
+    kc.check_window(fast_attention, [kc.case("window", q_heads=2, kv_heads=2, t=40, window=6, block_m=16, block_n=16,
+                                             dtype=RT.dtype, device=RT.device).with_kwargs(tma=tma)])
+
+
 def test_exp_and_exp2_agree():
     """exp2 with log2(e) in the scale computes the same softmax as exp."""
     q, k, v = (torch.randn(1, 2, 40, 16, device=RT.device, dtype=RT.dtype) for _ in range(3))
