@@ -292,6 +292,7 @@ def explain_output(got, case: Case, rtol: float | None = None, atol: float | Non
     (l or a not rescaled, softmax per tile) are recognised too.
     """
     where = f"{what}, {case.describe()}"
+    case = case.to("cpu")                                       # references on the CPU, wherever `got` was computed
     want = case.expected()                                      # [B, Hq, T, Dv] float64
     if not isinstance(got, torch.Tensor):
         return f"{where}: should return a torch.Tensor, got {type(got).__name__}"

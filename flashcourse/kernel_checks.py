@@ -78,8 +78,7 @@ def _problem(fn: Callable, c: ac.Case, got: torch.Tensor) -> str | None:
     """None when `got` is right for `c`, else the message: where, and which mistake it matches."""
     if "window" in c.kwargs:
         return _window_problem(fn, c, got)
-    # The reference and the mistaken variants are computed on the CPU, whatever device fn ran on.
-    problem = ac.explain_output(got, c.to("cpu"), tile=c.kwargs.get("block_n"), what=_name(fn))
+    problem = ac.explain_output(got, c, tile=c.kwargs.get("block_n"), what=_name(fn))
     if not problem:
         return None
     t, s = c.q.shape[2], c.k.shape[2]
