@@ -32,6 +32,23 @@ c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "gradebook.db")
 c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True
 
+# nbgrader's own list, then a stamp saying the release is generated from source/.
+c.GenerateAssignment.preprocessors = [
+    "nbgrader.preprocessors.IncludeHeaderFooter",
+    "nbgrader.preprocessors.InstantiateTests",
+    "nbgrader.preprocessors.LockCells",
+    "nbgrader.preprocessors.ClearSolutions",
+    "nbgrader.preprocessors.ClearOutput",
+    "nbgrader.preprocessors.CheckCellMetadata",
+    "nbgrader.preprocessors.ComputeChecksums",
+    "nbgrader.preprocessors.SaveCells",
+    "nbgrader.preprocessors.ClearHiddenTests",
+    "nbgrader.preprocessors.ClearMarkScheme",
+    "nbgrader.preprocessors.ComputeChecksums",
+    "nbgrader.preprocessors.CheckCellMetadata",
+    preprocessors.MarkGenerated,
+]
+
 # A duplicated grade cell is dropped instead of aborting the notebook.
 c.Autograde.sanitize_preprocessors = [
     "nbgrader.preprocessors.ClearOutput",

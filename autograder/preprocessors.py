@@ -23,6 +23,19 @@ from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor
 from . import ROOT, record
 
 
+def generated_note(assignment: str, what: str) -> dict:
+    """The notebook metadata that says a file is generated from source/ and must not be edited."""
+    return {"generated": f"{what} of source/{assignment}/{assignment}.ipynb by `make build`; edit the source, not this"}
+
+
+class MarkGenerated(NbGraderPreprocessor):
+    """generate_assignment's last step: the release says it is generated, whether `make build` or plain nbgrader ran."""
+
+    def preprocess(self, nb, resources):
+        nb.metadata["flashcourse"] = generated_note(resources["nbgrader"]["assignment"], "the release")
+        return nb, resources
+
+
 class StderrIsNotFailure(NbGraderPreprocessor):
     """Turn stderr output of graded cells into stdout, prefixed, so warnings cost no points."""
 
