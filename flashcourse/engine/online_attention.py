@@ -10,20 +10,27 @@ import torch
 from flashcourse.reference import positions
 
 
+def resolve_positions(q, k, query_positions=None, key_positions=None):
+    """Check Hq % Hkv == 0; return the absolute positions qp [B, T] and kp [B, S] (default: queries last)."""
+    batch, q_heads, t, _ = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    qp = positions(query_positions, batch, t, s - t, q.device)         # [B, T]
+    kp = positions(key_positions, batch, s, 0, q.device)               # [B, S]
+    return qp, kp
+
+
 def causal_attention(q, k, v, query_positions=None, key_positions=None):
     """softmax(q k^T / sqrt(D) + causal mask) v with the whole [T, S] score matrix: the unfused baseline.
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype.
     """
-    batch, q_heads, t, d = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    group = q_heads // kv_heads
+    qp, kp = resolve_positions(q, k, query_positions, key_positions)  # [B, T], [B, S]
+    d = q.shape[-1]
+    group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)                              # [B, Hq, S, D]
     v = v.repeat_interleave(group, dim=1)                              # [B, Hq, S, Dv]
-    qp = positions(query_positions, batch, t, s - t, q.device)         # [B, T]
-    kp = positions(key_positions, batch, s, 0, q.device)               # [B, S]
     scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(d)    # [B, Hq, T, S]
     visible = kp[:, None, None, :] <= qp[:, None, :, None]             # [B, 1, T, S]
     scores = scores.masked_fill(~visible, float("-inf"))
@@ -71,12 +78,7 @@ def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16)
     """
     if tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
-    batch, q_heads, t, _ = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    qp = positions(query_positions, batch, t, s - t, q.device)         # [B, T]
-    kp = positions(key_positions, batch, s, 0, q.device)               # [B, S]
+    qp, kp = resolve_positions(q, k, query_positions, key_positions)  # [B, T], [B, S]
     m, l, a = online_state(q, k, v, qp, kp, tile)
     if bool((l == 0).any()):
         raise ValueError("a query row sees no key: its attention output is undefined")
@@ -102,12 +104,8 @@ def split_attention(q, k, v, chunks=4, query_positions=None, key_positions=None)
 
     q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] -> [B, Hq, T, Dv] in q's dtype.
     """
-    batch, q_heads, t, _ = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    qp = positions(query_positions, batch, t, s - t, q.device)         # [B, T]
-    kp = positions(key_positions, batch, s, 0, q.device)               # [B, S]
+    qp, kp = resolve_positions(q, k, query_positions, key_positions)  # [B, T], [B, S]
+    s = k.shape[2]
     size = math.ceil(s / chunks)
     parts = [online_state(q, k[:, :, start:start + size], v[:, :, start:start + size], qp,
                           kp[:, start:start + size], tile=16)
