@@ -34,6 +34,17 @@ def test_descriptor_and_pointer_loads(tma):
                                              dtype=RT.dtype, device=RT.device).with_kwargs(tma=tma)])
 
 
+def test_without_host_descriptors(monkeypatch):
+    """A Triton older than 3.4 (no host-built descriptors) falls back to 04's pointer loads."""
+    from flashcourse.engine import fast_kernel
+
+    monkeypatch.setattr(fast_kernel, "TensorDescriptor", None)
+    odd = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=32, block_n=16,
+                  dtype=RT.dtype, device=RT.device)
+    assert not fast_kernel.tma_supported(odd.q)
+    kc.check_cases(fast_kernel.fast_attention, [odd])
+
+
 def test_exp_and_exp2_agree():
     """exp2 with log2(e) in the scale computes the same softmax as exp."""
     q, k, v = (torch.randn(1, 2, 40, 16, device=RT.device, dtype=RT.dtype) for _ in range(3))

@@ -13,7 +13,11 @@ runtime.setup(quiet=True)  # before Triton is imported: on a CPU this turns on i
 
 import triton  # noqa: E402  (after the runtime's choice)
 import triton.language as tl  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor  # Triton 3.4 and later
+except ImportError:  # an older Triton (some Colab images) has no host-built descriptors: 04's pointer loads
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 
@@ -154,7 +158,7 @@ def fast_fwd_kernel(
 def _fit_descriptors(args):
     """A config's pre-hook: K's and V's descriptors move tiles of the config's BLOCK_N keys."""
     for name in ("k_ptr", "v_ptr"):
-        if isinstance(args[name], TensorDescriptor):
+        if hasattr(args[name], "block_shape"):            # a descriptor, not a tensor
             args[name].block_shape = [1, args["BLOCK_N"], args["D"]]
 
 
@@ -172,7 +176,10 @@ def tma_supported(q) -> bool:
 
     On a GPU: bf16 and fp16 inputs on Hopper (compute capability 9) or later, where the speed-up was
     measured; FP32 inputs keep 04's pointer loads. Triton's interpreter runs descriptors everywhere.
+    Never with a Triton older than 3.4, which cannot build them on the host.
     """
+    if TensorDescriptor is None:
+        return False
     if q.device.type != "cuda":
         return True
     return q.dtype in (torch.float16, torch.bfloat16) and torch.cuda.get_device_capability(q.device)[0] >= 9
