@@ -25,6 +25,7 @@ by the number of calls. fast_decode's plain (eager) time is reported beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 
@@ -53,11 +54,10 @@ def _ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50))
 
 
-def _try_ms(fn) -> float:
-    """The time of fn, NaN when it cannot run here (a backend that refuses the shape)."""
+def _or_nan(measure, what) -> float:
+    """measure(what) in milliseconds, NaN when an implementation refuses the shape (or a graph capture)."""
     try:
-        fn()
-        return _ms(fn)
+        return measure(what)
     except (RuntimeError, ValueError) as error:
         print(f"    skipped: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
         return math.nan
@@ -90,15 +90,6 @@ def _graph_ms(calls, replays: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays / len(calls)
-
-
-def _try_graph_ms(calls) -> float:
-    """_graph_ms, NaN when an implementation refuses the shape or the capture."""
-    try:
-        return _graph_ms(calls)
-    except (RuntimeError, ValueError) as error:
-        print(f"    skipped: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
-        return math.nan
 
 
 def _inputs(batch, q_heads, kv_heads, t, s, d, dtype, seed=0):
@@ -143,7 +134,7 @@ def steps() -> list[dict]:
     ]
     rows = []
     for name, fn in variants:
-        ms = _try_ms(fn)
+        ms = _or_nan(_ms, fn)
         rows.append(dict(step=name, ms=ms, tflops=flops / ms / 1e9))
         print(f"  {name:40s} {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
     return rows
@@ -172,7 +163,7 @@ def prefill(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
                                                                       num_stages=3)
             row = dict(dtype=dtype_name, causal=causal, d=d, q_heads=q_heads, kv_heads=kv_heads, t=t, batch=batch)
             for name, fn in impls.items():
-                ms = _try_ms(fn)
+                ms = _or_nan(_ms, fn)
                 row[name] = flops / ms / 1e9
                 row[f"{name} error"] = max_error(fn(), q, k, v, causal) if ms == ms else math.nan
             row["fast config"] = str(fast_fwd_tuned.best_config)
@@ -205,16 +196,15 @@ def decode(grid=DECODE, q_heads=32, kv_heads=8, d=128, rows=None, done=lambda: N
         kv_bytes = 2 * batch * kv_heads * s * d * 2                        # K and V in bf16
         copies = max(2, math.ceil(L2_FLUSH_BYTES / kv_bytes))               # calls per graph: together past the L2
         caches = [_inputs(batch, q_heads, kv_heads, 1, s, d, torch.bfloat16, seed=i) for i in range(copies)]
-        impls = {"fast_decode": lambda q, k, v: fast_decode(q, k, v),
-                 "04 flash_attention": lambda q, k, v: flash_attention(q, k, v, block_m=16, block_n=64)}
+        impls = {"fast_decode": fast_decode,
+                 "04 flash_attention": functools.partial(flash_attention, block_m=16, block_n=64)}
         for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION),
                               ("SDPA efficient", SDPBackend.EFFICIENT_ATTENTION)):
             impls[name] = _sdpa(backend, False, True)
         row = dict(batch=batch, s=s, copies=copies)
         q, k, v = caches[0]
         for name, fn in impls.items():
-            calls = [(lambda fn, c: lambda: fn(*c))(fn, c) for c in caches]
-            ms = _try_graph_ms(calls)
+            ms = _or_nan(_graph_ms, [functools.partial(fn, *cache) for cache in caches])
             row[name] = kv_bytes / ms / 1e9
             row[f"{name} error"] = max_error(fn(q, k, v), q, k, v, False) if ms == ms else math.nan
         row["fast_decode eager"] = kv_bytes / _ms(lambda: fast_decode(q, k, v)) / 1e9
@@ -229,7 +219,7 @@ def decode(grid=DECODE, q_heads=32, kv_heads=8, d=128, rows=None, done=lambda: N
 
 def _best_sdpa(row: dict) -> float:
     """The fastest SDPA backend that ran at this decode shape."""
-    return max(row[n] for n in ("SDPA flash", "SDPA cuDNN", "SDPA efficient") if row.get(n, math.nan) == row.get(n))
+    return max(row[n] for n in ("SDPA flash", "SDPA cuDNN", "SDPA efficient") if not math.isnan(row.get(n, math.nan)))
 
 
 def report(result: dict) -> str:

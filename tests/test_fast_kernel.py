@@ -9,6 +9,11 @@ from flashcourse import reference, runtime
 from flashcourse.engine.fast_kernel import fast_attention, fast_decode
 
 RT = runtime.current()
+# T = 45, S = 51, GQA 2, 32 x 16 blocks: neither T nor S divides into the blocks.
+ODD = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=32, block_n=16, dtype=RT.dtype,
+              device=RT.device)
+WINDOW = kc.case("window", q_heads=2, kv_heads=2, t=40, window=6, block_m=16, block_n=16, dtype=RT.dtype,
+                 device=RT.device)
 
 
 def test_standard_cases_autotuned():
@@ -19,19 +24,14 @@ def test_standard_cases_autotuned():
 @pytest.mark.parametrize("split", [True, False])
 def test_split_and_single_loop(split):
     """T = 45, S = 51, GQA 2, 32 x 16 blocks: the diagonal split and the single loop both match."""
-    c = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=32, block_n=16,
-                dtype=RT.dtype, device=RT.device)
-    kc.check_cases(fast_attention, [c.with_kwargs(split_diagonal=split)])
+    kc.check_cases(fast_attention, [ODD.with_kwargs(split_diagonal=split)])
 
 
 @pytest.mark.parametrize("tma", [True, False])
 def test_descriptor_and_pointer_loads(tma):
     """K and V through tensor descriptors or through pointers: both match, with GQA, odd T and S, a window."""
-    odd = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=32, block_n=16,
-                  dtype=RT.dtype, device=RT.device)
-    kc.check_cases(fast_attention, [odd.with_kwargs(tma=tma)])
-    kc.check_window(fast_attention, [kc.case("window", q_heads=2, kv_heads=2, t=40, window=6, block_m=16, block_n=16,
-                                             dtype=RT.dtype, device=RT.device).with_kwargs(tma=tma)])
+    kc.check_cases(fast_attention, [ODD.with_kwargs(tma=tma)])
+    kc.check_window(fast_attention, [WINDOW.with_kwargs(tma=tma)])
 
 
 def test_without_host_descriptors(monkeypatch):
@@ -39,10 +39,8 @@ def test_without_host_descriptors(monkeypatch):
     from flashcourse.engine import fast_kernel
 
     monkeypatch.setattr(fast_kernel, "TensorDescriptor", None)
-    odd = kc.case("odd", batch=2, q_heads=4, kv_heads=2, t=45, s=51, d=32, block_m=32, block_n=16,
-                  dtype=RT.dtype, device=RT.device)
-    assert not fast_kernel.tma_supported(odd.q)
-    kc.check_cases(fast_kernel.fast_attention, [odd])
+    assert not fast_kernel.tma_supported(ODD.q)
+    kc.check_cases(fast_kernel.fast_attention, [ODD])
 
 
 def test_exp_and_exp2_agree():
@@ -63,8 +61,7 @@ def test_not_causal():
 
 def test_window_and_nan_past_the_queries():
     """A window, and queries in the middle of a cache whose tail is NaN."""
-    kc.check_window(fast_attention, [kc.case("window", q_heads=2, kv_heads=2, t=40, window=6, block_m=16,
-                                             block_n=16, dtype=RT.dtype, device=RT.device)])
+    kc.check_window(fast_attention, [WINDOW])
     kc.check_block_skipping(fast_attention, [kc.case("middle", q_heads=2, kv_heads=1, t=12, s=80, query_offset=25,
                                                      block_m=16, block_n=16, dtype=RT.dtype, device=RT.device)])
 
