@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
+from nbgrader.converters import GenerateAssignment  # noqa: E402
+
 from autograder import preprocessors  # noqa: E402  (needs ROOT on sys.path)
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
@@ -33,21 +35,8 @@ c.Execute.timeout = 300
 c.Execute.interrupt_on_timeout = True
 
 # nbgrader's own list, then a stamp saying the release is generated from source/.
-c.GenerateAssignment.preprocessors = [
-    "nbgrader.preprocessors.IncludeHeaderFooter",
-    "nbgrader.preprocessors.InstantiateTests",
-    "nbgrader.preprocessors.LockCells",
-    "nbgrader.preprocessors.ClearSolutions",
-    "nbgrader.preprocessors.ClearOutput",
-    "nbgrader.preprocessors.CheckCellMetadata",
-    "nbgrader.preprocessors.ComputeChecksums",
-    "nbgrader.preprocessors.SaveCells",
-    "nbgrader.preprocessors.ClearHiddenTests",
-    "nbgrader.preprocessors.ClearMarkScheme",
-    "nbgrader.preprocessors.ComputeChecksums",
-    "nbgrader.preprocessors.CheckCellMetadata",
-    preprocessors.MarkGenerated,
-]
+c.GenerateAssignment.preprocessors = [*GenerateAssignment.class_traits()["preprocessors"].make_dynamic_default(),
+                                      preprocessors.MarkGenerated]
 
 # A duplicated grade cell is dropped instead of aborting the notebook.
 c.Autograde.sanitize_preprocessors = [
