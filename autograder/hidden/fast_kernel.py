@@ -21,23 +21,17 @@ def _dims():
     return rt, ((16, 32) if rt.interpret else (64, 128))
 
 
-def _raises(fn, what, *tensors, **kwargs):
-    try:
-        fn(*tensors, **kwargs)
-    except ValueError:
-        return
-    raise AssertionError(f"{getattr(fn, '__name__', 'the function')} should raise ValueError when {what}")
-
-
 def test_validation(fast_attention, fast_decode) -> None:
     """04's ValueErrors for fast_attention; for fast_decode the same ones, and T != 1."""
     rt = runtime.current()
     kc.check_validation(fast_attention, rt.device, rt.dtype)
-    make = lambda *shape: torch.zeros(*shape, device=rt.device, dtype=rt.dtype)  # noqa: E731
-    _raises(fast_decode, "D = 24", make(1, 2, 1, 24), make(1, 2, 8, 24), make(1, 2, 8, 24))
-    _raises(fast_decode, "Hq = 3 and Hkv = 2", make(1, 3, 1, 16), make(1, 2, 8, 16), make(1, 2, 8, 16))
-    _raises(fast_decode, "T = 2 (decode takes one query per sequence)", make(1, 2, 2, 16), make(1, 2, 8, 16),
-            make(1, 2, 8, 16))
+    base = dict(s=8, dtype=rt.dtype, device=rt.device)
+    ac.check_raises(fast_decode, ac.make_case("D=24", q_heads=2, kv_heads=2, t=1, d=24, **base),
+                    "the head dimension 24 is not a power of two")
+    ac.check_raises(fast_decode, ac.make_case("Hq=3, Hkv=2", q_heads=3, kv_heads=2, t=1, **base),
+                    "3 query heads cannot be shared evenly by 2 KV heads")
+    ac.check_raises(fast_decode, ac.make_case("T=2", q_heads=2, kv_heads=2, t=2, **base),
+                    "decode takes one query per sequence")
 
 
 def test_prefill(fast_attention) -> None:
