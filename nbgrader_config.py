@@ -18,7 +18,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 
 from nbgrader.converters import GenerateAssignment  # noqa: E402
 
-from autograder import preprocessors  # noqa: E402  (needs ROOT on sys.path)
+from autograder import execute, preprocessors  # noqa: E402  (needs ROOT on sys.path)
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 
@@ -29,10 +29,9 @@ c.CourseDirectory.release_directory = "notebooks"
 c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "gradebook.db")
 
 # The whole notebook is graded, including the set-up cell: a slow CPU and Triton's interpreter
-# need more than nbgrader's 30 s default for one cell; an endless loop is interrupted and the
-# later cells still run (nbgrader's Execute keeps going after errors).
-c.Execute.timeout = 300
-c.Execute.interrupt_on_timeout = True
+# need more than nbgrader's 30 s default for one cell; a cell past its limit stops its kernel, and
+# a fresh one takes over for the later cells (autograder/execute.py).
+c.JailedExecute.timeout = 300
 
 # nbgrader's own list, then a stamp saying the release is generated from source/.
 c.GenerateAssignment.preprocessors = [*GenerateAssignment.class_traits()["preprocessors"].make_dynamic_default(),
@@ -48,14 +47,13 @@ c.Autograde.sanitize_preprocessors = [
     "nbgrader.preprocessors.CheckCellMetadata",
 ]
 
-# Verdicts are decided in this process, not the learner's kernel: test cells record the graded
-# functions' answers, then each test cell reruns here against those records (autograder/record.py).
+# The learner's cells run in a jail; the test cells run in this process, calling the learner's
+# functions in the jail with data in and data out (autograder/execute.py). Without a working jail
+# nothing is run, unless --JailedExecute.trusted=True says the notebooks are trusted (the samples).
 # Only an exception fails a test: warnings on stderr (torch and Triton print some) cost nothing.
 c.Autograde.autograde_preprocessors = [
     preprocessors.RestoreDeletedTests,
-    preprocessors.RecordGradedCalls,
-    "nbgrader.preprocessors.Execute",
-    preprocessors.TrustedVerdicts,
+    execute.JailedExecute,
     preprocessors.StderrIsNotFailure,
     "nbgrader.preprocessors.IgnorePattern",
     "nbconvert.preprocessors.ClearMetadataPreprocessor",

@@ -4,10 +4,15 @@
 
 SUBMISSIONS is laid out as nbgrader's submitted/<student>/<assignment>/<assignment>.ipynb. Each
 assignment is registered once from source/ in a template gradebook. Each (student, assignment) is
-then graded on its own: the one notebook is copied into a scratch course folder with a copy of the
-template gradebook, `nbgrader autograde` and `nbgrader generate_feedback` run there under a time
-and memory limit, and the results are copied out. A student whose grading crashes or hangs gets
-zero for what was not graded and a line in the summary; the others are unaffected.
+then graded on its own: the one notebook is read (a regular file, never through a link, size
+capped) into a scratch course folder with a copy of the template gradebook, `nbgrader autograde`
+and `nbgrader generate_feedback` run there under a time and memory limit, and the results are
+copied out. The learner's code runs only in the jail (autograder/jail.py), which sees none of these
+folders. A student whose grading fails in any way gets zero for what was not graded and a line in
+the summary; the others are unaffected, and the batch always ends with grades.csv and the summary.
+
+Without a working jail, grading refuses to start unless `trusted=True` (--trusted): the notebooks
+are then run without one, which is only for notebooks you trust, such as the course's samples.
 
 DIR receives grades.csv (one row per student, assignment and question), feedback/<student>/
 <assignment>/, autograded/<student>/<assignment>/ and summary.txt (what went wrong, in words).
@@ -21,6 +26,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -28,11 +34,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ROOT
+from . import ROOT, jail
 from .build import assignments as known_assignments, nbgrader_environment
+from .execute import ANOMALIES_ENV
 
-STUDENT_TIMEOUT_S = 30 * 60     # a whole notebook; one cell is limited by nbgrader_config's Execute.timeout
+STUDENT_TIMEOUT_S = 30 * 60     # a whole notebook; one cell is limited by nbgrader_config's JailedExecute.timeout
 MEMORY_LIMIT_BYTES = 16 << 30   # address space of the grading processes (torch reserves some up front)
+MAX_NOTEBOOK_BYTES = 64 << 20   # a submitted notebook larger than this is not graded
 
 
 @dataclass(frozen=True)
@@ -50,50 +58,13 @@ class Outcome:
     student: str
     assignment: str
     scores: list[Score] = field(default_factory=list)
-    problem: str = ""  # empty when the notebook was graded normally
+    problem: str = ""  # why the notebook could not be graded; empty when it was
+    anomalies: list[str] = field(default_factory=list)  # what else went wrong while it was graded
 
 
 def nbgrader_cmd(*args: str, db: Path, folders: dict[str, Path]) -> list[str]:
     return [sys.executable, "-m", "nbgrader", *args, f"--CourseDirectory.db_url=sqlite:///{db}",
             "--log-level=WARN", *(f"--CourseDirectory.{k}_directory={v}" for k, v in folders.items())]
-
-
-SANDBOX_KERNEL = "flashcourse-sandbox"
-
-
-def sandbox_kernel(scratch: Path, hidden: list[Path]) -> dict[str, str] | None:
-    """A kernelspec that runs the learner's kernel under bubblewrap, or None where bwrap is missing.
-
-    The kernel sees the machine read-only, a private /tmp holding only this student's scratch folder
-    (writable), and empty folders in place of `hidden` (source/, the submissions, the grader's output)
-    and of the scratch gradebook. Returns the environment that makes nbgrader find the kernelspec.
-    """
-    bwrap = shutil.which("bwrap")
-    if not bwrap:
-        return None
-    home = scratch / "home"
-    home.mkdir()
-    argv = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    # The course and its environment stay visible even when they live under /tmp (a CI clone).
-    for keep in sorted({ROOT, Path(sys.prefix).resolve()}):
-        argv += ["--ro-bind", str(keep), str(keep)]
-    argv += ["--bind", str(scratch), str(scratch), "--die-with-parent"]
-    for path in hidden:
-        if path.is_dir():
-            argv += ["--tmpfs", str(path)]
-        elif path.exists():
-            argv += ["--ro-bind", "/dev/null", str(path)]
-    argv += [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
-    spec = scratch / "jupyter" / "kernels" / SANDBOX_KERNEL
-    spec.mkdir(parents=True)
-    caches = {"HOME": home, "IPYTHONDIR": home / ".ipython", "MPLCONFIGDIR": home / ".matplotlib",
-              "TRITON_CACHE_DIR": home / ".triton", "TMPDIR": scratch / "tmp"}
-    # Interrupts go as messages: a signal would reach bwrap, not the kernel inside it.
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": argv, "display_name": "Python 3 (grading sandbox)", "language": "python", "interrupt_mode": "message",
-        "env": {k: str(v) for k, v in caches.items()}}))
-    (scratch / "tmp").mkdir()
-    return {"JUPYTER_PATH": str(scratch / "jupyter"), "TMPDIR": str(scratch / "tmp")}
 
 
 def _limit_memory() -> None:
@@ -141,10 +112,26 @@ def questions(db: Path) -> list[tuple[str, str, float]]:
                 for cell in notebook.grade_cells]
 
 
-def zeros(student: str, assignment: str, template: Path, problem: str) -> Outcome:
-    """No grade could be computed: zero on every question, with the reason."""
-    scores = [Score(student, assignment, q, kind, 0.0, most) for q, kind, most in questions(template)]
-    return Outcome(student, assignment, scores, problem)
+def zeros(student: str, assignment: str, questions: list[tuple[str, str, float]], problem: str,
+          anomalies: list[str] | None = None) -> Outcome:
+    """No grade could be computed: zero on every question of the assignment, with the reason."""
+    scores = [Score(student, assignment, q, kind, 0.0, most) for q, kind, most in questions]
+    return Outcome(student, assignment, scores, problem, anomalies or [])
+
+
+def read_submission(notebook: Path) -> bytes:
+    """The submitted notebook's bytes: a regular file opened without following a link, size capped."""
+    fd = os.open(notebook, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{notebook.name} is not a regular file")
+        if info.st_size > MAX_NOTEBOOK_BYTES:
+            raise ValueError(f"{notebook.name} is {info.st_size >> 20} MiB, over the {MAX_NOTEBOOK_BYTES >> 20} MiB limit")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_NOTEBOOK_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 # What nbgrader's log says, and what it means for the student.
@@ -166,35 +153,46 @@ def explain_failure(log: str) -> str:
 
 
 def grade_one(student: str, assignment: str, notebook: Path, template: Path, out: Path,
-              cell_timeout: int | None = None, hidden: tuple[Path, ...] = ()) -> Outcome:
+              questions: list[tuple[str, str, float]], cell_timeout: int | None = None,
+              trusted: bool = False) -> Outcome:
     """Autograde one student's notebook in a scratch course folder and copy the results to `out`."""
+    try:
+        submitted = read_submission(notebook)
+    except (OSError, ValueError) as error:
+        reason = "it is a symbolic link" if isinstance(error, OSError) and notebook.is_symlink() else str(error)
+        return zeros(student, assignment, questions, f"the notebook was not graded: {reason}")
     with tempfile.TemporaryDirectory(prefix="flashcourse-grade-") as tmp:
         scratch = Path(tmp)
         folders = {"submitted": scratch / "submitted", "autograded": scratch / "autograded",
                    "feedback": scratch / "feedback"}
         target = folders["submitted"] / student / assignment
         target.mkdir(parents=True)
-        shutil.copy(notebook, target / f"{assignment}.ipynb")
+        (target / f"{assignment}.ipynb").write_bytes(submitted)
         db = scratch / "gradebook.db"
         shutil.copy(template, db)
-        options = [f"--Execute.timeout={cell_timeout}"] if cell_timeout else []
-        sandbox = sandbox_kernel(scratch, [*hidden, db])
-        if sandbox:
-            options.append(f"--Execute.kernel_name={SANDBOX_KERNEL}")
+        anomalies_file = scratch / "anomalies.txt"
+        options = [f"--JailedExecute.timeout={cell_timeout}"] if cell_timeout else []
+        if trusted:
+            options.append("--JailedExecute.trusted=True")
+        env = {ANOMALIES_ENV: str(anomalies_file)}
         code, log = run_limited(nbgrader_cmd("autograde", assignment, "--student", student, "--force", *options,
-                                             db=db, folders=folders), STUDENT_TIMEOUT_S, sandbox)
+                                             db=db, folders=folders), STUDENT_TIMEOUT_S, env)
+        anomalies = anomalies_file.read_text().splitlines() if anomalies_file.exists() else []
         if code is None:
-            return zeros(student, assignment, template, f"grading stopped after {STUDENT_TIMEOUT_S} s")
+            return zeros(student, assignment, questions, f"grading stopped after {STUDENT_TIMEOUT_S} s", anomalies)
         scores = read_scores(db, student)
         if code or not scores:
-            return zeros(student, assignment, template, f"the notebook could not be graded: {explain_failure(log)}")
-        run_limited(nbgrader_cmd("generate_feedback", assignment, "--student", student, "--force",
-                                 db=db, folders=folders), STUDENT_TIMEOUT_S)
+            return zeros(student, assignment, questions, f"the notebook could not be graded: {explain_failure(log)}",
+                         anomalies)
+        code, log = run_limited(nbgrader_cmd("generate_feedback", assignment, "--student", student, "--force",
+                                             db=db, folders=folders), STUDENT_TIMEOUT_S, env)
+        if code:
+            anomalies.append(f"feedback could not be generated: {explain_failure(log)}")
         for kind in ("autograded", "feedback"):
             source = folders[kind] / student / assignment
             if source.exists():
-                shutil.copytree(source, out / kind / student / assignment, dirs_exist_ok=True)
-        return Outcome(student, assignment, scores)
+                shutil.copytree(source, out / kind / student / assignment, symlinks=True, dirs_exist_ok=True)
+        return Outcome(student, assignment, scores, anomalies=anomalies)
 
 
 def find_jobs(submissions: Path) -> tuple[list[tuple[str, str, Path]], list[Outcome]]:
@@ -206,8 +204,11 @@ def find_jobs(submissions: Path) -> tuple[list[tuple[str, str, Path]], list[Outc
         if assignment not in known:
             unreadable.append(Outcome(student, assignment, problem=f"{assignment} is not an assignment of this course"))
             continue
+        if folder.is_symlink() or folder.parent.is_symlink():
+            unreadable.append(Outcome(student, assignment, problem="the submission folder is a symbolic link"))
+            continue
         notebook = folder / f"{assignment}.ipynb"
-        if not notebook.exists():
+        if not notebook.exists() and not notebook.is_symlink():
             others = sorted(p.name for p in folder.glob("*.ipynb"))
             why = (f"no {notebook.name}; found {', '.join(others)} instead (notebooks must keep their name)"
                    if others else f"no {notebook.name} was submitted")
@@ -228,45 +229,42 @@ def register(assignment: str, templates: Path) -> Path:
 
 
 def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
-          cell_timeout: int | None = None) -> list[Outcome]:
-    """Grade every student of every assignment under `submissions`; write grades, feedback and summary to `out`."""
+          cell_timeout: int | None = None, trusted: bool = False) -> list[Outcome]:
+    """Grade every student of every assignment under `submissions`; write grades, feedback and summary to `out`.
+
+    Raises jail.NoJail before grading anything when no jail can be built here, unless `trusted`.
+    """
     from tqdm import tqdm
 
+    no_jail = jail.why_no_jail()
+    if no_jail and not trusted:
+        raise jail.NoJail(f"learners' notebooks are only run in a jail, and none can be built here: {no_jail}")
     submissions, out = submissions.resolve(), out.resolve()
     for kind in ("autograded", "feedback"):
         shutil.rmtree(out / kind, ignore_errors=True)
     (out / "templates").mkdir(parents=True, exist_ok=True)
     todo, outcomes = find_jobs(submissions)
-    templates = {a: register(a, out / "templates") for a in sorted({a for _, a, _ in todo} |
-                                                                      {o.assignment for o in outcomes
-                                                                       if o.assignment in known_assignments()})}
-    outcomes = [zeros(o.student, o.assignment, templates[o.assignment], o.problem) if o.assignment in templates else o
+    assignments = sorted({a for _, a, _ in todo} | {o.assignment for o in outcomes if o.assignment in known_assignments()})
+    templates = {a: register(a, out / "templates") for a in assignments}
+    asked = {a: questions(templates[a]) for a in assignments}  # read once, before any student runs
+    outcomes = [zeros(o.student, o.assignment, asked[o.assignment], o.problem) if o.assignment in asked else o
                 for o in outcomes]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
             tqdm(total=len(todo), desc="grading", unit="notebook", disable=not progress, file=sys.stdout) as bar:
-        # What a learner's kernel must not read: the instructor's notebooks, everyone's submissions
-        # (the samples too), grades and feedback. The grader's code stays readable: the kernel runs
-        # the test cells with it, and it is public anyway.
-        hidden = (ROOT / "source", ROOT / "autograder" / "samples", ROOT / "gradebook.db", ROOT / "submitted",
-                  ROOT / "autograded", ROOT / "feedback", submissions, out)
-        futures = {pool.submit(grade_one, s, a, nb, templates[a], out, cell_timeout, hidden): (s, a)
+        futures = {pool.submit(grade_one, s, a, nb, templates[a], out, asked[a], cell_timeout, trusted): (s, a)
                    for s, a, nb in todo}
         for future in as_completed(futures):
             student, assignment = futures[future]
             try:
                 outcomes.append(future.result())
             except Exception as error:  # a grader fault must not lose the other students' grades
-                outcomes.append(zeros(student, assignment, templates[assignment], f"grader error: {error}"))
+                outcomes.append(zeros(student, assignment, asked[assignment], f"grader error: {error}"))
             bar.set_postfix_str(f"{student}/{assignment}")
             bar.update()
     outcomes.sort(key=lambda o: (o.assignment, o.student))
     write_csv(outcomes, out / "grades.csv")
-    (out / "summary.txt").write_text(summary(outcomes))
+    (out / "summary.txt").write_text(summary(outcomes, no_jail))
     return outcomes
-
-
-NO_SANDBOX = ("bubblewrap (bwrap) is not installed, so learners' kernels ran without a sandbox and could read "
-              "source/ and other submissions: install it (Debian/Ubuntu: apt-get install bubblewrap).")
 
 
 def write_csv(outcomes: list[Outcome], path: Path) -> None:
@@ -277,14 +275,14 @@ def write_csv(outcomes: list[Outcome], path: Path) -> None:
             writer.writerow([s.student, s.assignment, s.question, s.kind, f"{s.points:g}", f"{s.max_points:g}"])
 
 
-def summary(outcomes: list[Outcome]) -> str:
-    """What went wrong, one line per student and notebook, in plain words."""
-    problems = [f"- {o.student}, {o.assignment}: {o.problem}" for o in outcomes if o.problem]
-    graded = sum(not o.problem for o in outcomes)
-    head = f"{graded} of {len(outcomes)} notebooks graded normally."
-    if not shutil.which("bwrap"):
-        head += "\nWarning: " + NO_SANDBOX
-    return head + ("\nProblems:\n" + "\n".join(problems) if problems else " No problems.") + "\n"
+def summary(outcomes: list[Outcome], no_jail: str | None = None) -> str:
+    """What went wrong, one line per student, notebook and anomaly, in plain words."""
+    lines = [f"- {o.student}, {o.assignment}: {what}" for o in outcomes for what in [o.problem, *o.anomalies] if what]
+    normal = sum(not o.problem and not o.anomalies for o in outcomes)
+    head = f"{normal} of {len(outcomes)} notebooks graded normally."
+    if no_jail:
+        head += ("\nWarning: these notebooks were run WITHOUT a jail, as trusted notebooks (--trusted): " + no_jail)
+    return head + ("\nProblems:\n" + "\n".join(lines) if lines else " No problems.") + "\n"
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -302,5 +300,5 @@ def table(outcomes: list[Outcome]) -> str:
             cells = "  ".join((f"{auto[q].points:g}/{auto[q].max_points:g}" if q in auto else "-").center(len(q))
                               for q in names)
             total = f"{sum(s.points for s in auto.values()):g}/{sum(s.max_points for s in auto.values()):g}"
-            lines.append(f"{o.student:<{width}}  {cells}  {total}" + ("  (see summary)" if o.problem else ""))
+            lines.append(f"{o.student:<{width}}  {cells}  {total}" + ("  (see summary)" if o.problem or o.anomalies else ""))
     return "\n".join(lines)

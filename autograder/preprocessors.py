@@ -3,24 +3,19 @@
 Autograde: a warning printed to stderr (torch and Triton print several) is not a failure. nbgrader
 scores a test cell zero when it has any stderr output; here only an exception fails a test.
 
-Verdicts: the test cells run in the learner's kernel, where code can patch anything; their grade is
-decided afterwards, here, by replaying the recorded calls (RecordGradedCalls, TrustedVerdicts).
+Verdicts: the test cells run in the grader, never in the learner's kernel (autograder/execute.py);
+a test cell the learner deleted is put back from source/ first (RestoreDeletedTests).
 
 Feedback: the autograded notebook holds the hidden tests (nbgrader restores them before executing)
 and full tracebacks that quote them. Feedback keeps the verdict and the check's message only.
 """
 
 import ast
-import os
-import re
-import shutil
-import tempfile
-from pathlib import Path
 
 import nbformat
 from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor
 
-from . import ROOT, record
+from . import ROOT
 
 
 def generated_note(assignment: str, what: str) -> dict:
@@ -62,16 +57,11 @@ class PlainErrors(NbGraderPreprocessor):
         return cell, resources
 
 
-# --- Verdicts decided by the grader (see autograder/record.py) ---
-
-RECORD_MARK = "  # grader: record calls\n"  # ends the line put before each test cell, and finds it again
-RECORD_LINE = '__import__("autograder.record").record.wrap(globals(), {cell!r}, {names!r})' + RECORD_MARK
-# Learner code that uses the course's finished answers instead of writing its own.
-FORBIDDEN_ANYWHERE = re.compile(r"flashcourse\s*\.\s*engine|from\s+flashcourse\s+import\s+[^\n]*\bengine\b|autograder")
-FORBIDDEN_IN_SOLUTIONS = re.compile(r"reference\s*\.\s*attention|softmax_weighted_sum|scaled_dot_product_attention")
+# --- What the grader needs to know of the instructor's notebook ---
 
 
-def _source_notebook(resources) -> nbformat.NotebookNode:
+def source_notebook_of(resources) -> nbformat.NotebookNode:
+    """The instructor's notebook (source/) of the notebook being graded: hidden tests and solutions."""
     info = resources["nbgrader"]
     return nbformat.read(ROOT / "source" / info["assignment"] / f"{info['notebook']}.ipynb", as_version=4)
 
@@ -117,7 +107,7 @@ class RestoreDeletedTests(NbGraderPreprocessor):
     def preprocess(self, nb, resources):
         present = {c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells if is_test_cell(c)}
         previous_id = None
-        for cell in _source_notebook(resources).cells:
+        for cell in source_notebook_of(resources).cells:
             grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
             if is_test_cell(cell) and grade_id not in present:
                 ids = [c.get("id") for c in nb.cells]
@@ -128,63 +118,3 @@ class RestoreDeletedTests(NbGraderPreprocessor):
                 self.log.warning("restored the deleted test cell %s", grade_id)
             previous_id = cell.get("id")
         return nb, resources
-
-
-class RecordGradedCalls(NbGraderPreprocessor):
-    """Before execution: start every test cell by wrapping the graded functions in recorders."""
-
-    def preprocess(self, nb, resources):
-        names = graded_names(_source_notebook(resources))
-        folder = tempfile.mkdtemp(prefix="flashcourse-record-")
-        os.environ[record.RECORD_DIR_ENV] = folder  # the kernel, started after this, inherits it
-        resources["flashcourse_record"] = {"folder": folder, "names": names}
-        for cell in nb.cells:
-            if is_test_cell(cell):
-                cell.source = RECORD_LINE.format(cell=cell.metadata.nbgrader["grade_id"], names=names) + cell.source
-        return nb, resources
-
-
-def _learner_code(nb, source) -> tuple[str, str]:
-    """(code of every cell the learner wrote or changed, code of their solution cells)."""
-    given = {(c.get("id"), c.source) for c in source.cells}
-    written = [c for c in nb.cells if c.cell_type == "code" and (c.get("id"), c.source) not in given
-               and not is_test_cell(c)]
-    solutions = [c for c in nb.cells if c.cell_type == "code" and c.metadata.get("nbgrader", {}).get("solution")]
-    return "\n".join(c.source for c in written), "\n".join(c.source for c in solutions)
-
-
-class TrustedVerdicts(NbGraderPreprocessor):
-    """After execution: rerun each test cell here against the recorded calls; its result is the verdict."""
-
-    def preprocess(self, nb, resources):
-        info = resources.pop("flashcourse_record")
-        folder = Path(info["folder"])
-        entries = record.read(folder)
-        written, solutions = _learner_code(nb, _source_notebook(resources))
-        banned = FORBIDDEN_ANYWHERE.search(written) or FORBIDDEN_IN_SOLUTIONS.search(solutions)
-        for cell in nb.cells:
-            if not is_test_cell(cell):
-                continue
-            cell.source = cell.source.split(RECORD_MARK, 1)[-1]
-            if banned:
-                failure = ("AssertionError", f"the notebook uses the course's finished implementation "
-                                             f"({banned.group(0)!r}) instead of its own code")
-            else:
-                failure = self._replay(cell, info["names"], entries, folder)
-            kept = [o for o in cell.outputs if o.output_type not in ("error", "execute_result")]
-            if failure:
-                kept.append(nbformat.v4.new_output("error", ename=failure[0], evalue=failure[1],
-                                                   traceback=[f"{failure[0]}: {failure[1]}"]))
-            cell.outputs = kept
-        shutil.rmtree(folder, ignore_errors=True)
-        return nb, resources
-
-    @staticmethod
-    def _replay(cell, names, entries, folder) -> tuple[str, str] | None:
-        namespace = {"__name__": "__grader__", **{n: record.Replayer(n, entries, folder) for n in names}}
-        record.reset_randomness()
-        try:
-            exec(compile(cell.source, f"<test cell {cell.metadata.nbgrader['grade_id']}>", "exec"), namespace)
-        except Exception as error:
-            return type(error).__name__, str(error)
-        return None

@@ -13,6 +13,12 @@ peak of live bytes, counting only what was allocated inside the block.
     tracker.peak_bytes, tracker.largest
 
 `measure(fn, *args)` does the same and, for CUDA tensors, reads torch.cuda.max_memory_allocated.
+
+A function that runs in another process, as a notebook's function does while it is graded, cannot
+be watched this way, and that process could switch any watcher off. Such a function offers
+`fn.limited_call(allowance, *args, **kwargs)` instead: the call runs with its process's address
+space limited, from outside, to `allowance` bytes more than it held at start-up, and raises
+MemoryError when it fails under that limit (attention_checks.check_memory_from_outside uses it).
 Reference: PyTorch's __torch_dispatch__ (torch.utils._python_dispatch.TorchDispatchMode).
 """
 

@@ -1,0 +1,286 @@
+"""Grading one notebook: the learner's cells run in the jail, the test cells run here.
+
+nbgrader's Execute would run every cell, hidden tests included, in the learner's kernel. Instead,
+`JailedExecute` sends each of the learner's code cells (and the given ones) to the runner in the
+jail (autograder/jail.py), and runs each test cell in this process, the grader's, with every graded
+function replaced by a `Remote`: calling it sends the inputs to the jail, where the learner's
+function runs, and brings back its answer as data (autograder/wire.py). Test code, seeds and
+expected answers never enter the jail; checks run on this side's torch and reference, which no
+learner code has touched. Measurements that grade are taken here too: memory by limiting the
+runner's address space from outside (`Remote.limited_call`), the launch of a Triton kernel by the
+structure of the learner's code (autograder/launches.py).
+
+A kernel that dies or runs past a cell's time limit is replaced by a fresh jail, into which the
+learner's cells that had run are run again, so one bad cell costs only its own tests. What went
+wrong is kept as anomalies, which the batch grader puts in its summary.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import random
+import time
+from contextlib import redirect_stderr, redirect_stdout
+
+import nbformat
+from nbgrader.preprocessors import NbGraderPreprocessor
+from traitlets import Bool, Integer
+
+from . import jail, launches, wire
+from .preprocessors import graded_names, is_test_cell, source_notebook_of
+
+ANOMALIES_ENV = "FLASHCOURSE_ANOMALIES"  # a file the batch grader reads the anomalies from
+MAX_TEXT = 100_000                       # characters of output kept per stream
+MAX_IMAGES = 8                           # PNGs kept per cell
+MAX_IMAGE_BYTES = 4 << 20
+# Exceptions the learner's function may raise as themselves; any other becomes a RuntimeError with its name.
+PASSED_THROUGH = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, AssertionError, RuntimeError,
+                                          ZeroDivisionError, IndexError, KeyError, OverflowError, ArithmeticError)}
+
+
+def reset_randomness() -> None:
+    """Seed Python's and torch's global generators, so a test cell drawing unseeded inputs draws the same
+    ones whatever ran before it: grading is repeatable."""
+    import torch
+
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+def _outputs(raw, label: str, anomalies: list[str]) -> list:
+    """nbformat outputs from what the jail sent: text streams and PNG or plain-text displays, capped."""
+    outputs, images = [], 0
+    for item in raw if isinstance(raw, list) else []:
+        if not isinstance(item, dict):
+            continue
+        if item.get("output_type") == "stream" and isinstance(item.get("text"), str):
+            name = "stderr" if item.get("name") == "stderr" else "stdout"
+            outputs.append(nbformat.v4.new_output("stream", name=name, text=item["text"][:MAX_TEXT]))
+        elif item.get("output_type") == "display_data" and isinstance(item.get("data"), dict):
+            data = {}
+            text = item["data"].get("text/plain")
+            if isinstance(text, str):
+                data["text/plain"] = text[:MAX_TEXT]
+            png = item["data"].get("image/png")
+            if isinstance(png, str) and len(png) <= MAX_IMAGE_BYTES and images < MAX_IMAGES:
+                try:
+                    base64.b64decode(png, validate=True)
+                    data["image/png"] = png
+                    images += 1
+                except (binascii.Error, ValueError):
+                    anomalies.append(f"{label}: an image output that is not base64 was dropped")
+            if data:
+                outputs.append(nbformat.v4.new_output("display_data", data=data))
+    return outputs
+
+
+def _error(name: str, message: str):
+    return nbformat.v4.new_output("error", ename=name, evalue=message, traceback=[f"{name}: {message}"])
+
+
+class KernelLost(Exception):
+    """The jail's kernel died, ran out of time or answered out of protocol; it has been stopped."""
+
+
+class Session:
+    """One notebook's kernel in the jail, replaced by a fresh one when it is lost."""
+
+    def __init__(self, jailed: bool, cell_timeout: int, max_restarts: int):
+        self.jailed, self.cell_timeout, self.max_restarts = jailed, cell_timeout, max_restarts
+        self.kernel: jail.Jail | None = None
+        self.restarts = 0
+        self.completed: list[str] = []   # learner cells that ran to their end, in order: run again after a restart
+        self.anomalies: list[str] = []
+        self.deadline = 0.0
+
+    def kernel_now(self) -> jail.Jail:
+        """The notebook's kernel, started (and brought up to date) when there is none."""
+        if self.kernel is not None:
+            return self.kernel
+        if self.restarts > self.max_restarts:
+            raise KernelLost(f"the notebook's kernel was lost {self.restarts} times, so it was not started again")
+        kernel = jail.Jail(jailed=self.jailed)
+        try:
+            kernel.start()
+        except jail.NoJail as failed:
+            self.restarts += 1
+            raise KernelLost(str(failed)) from None
+        self.kernel = kernel
+        for code in self.completed:  # a fresh kernel: bring it to where the lost one was
+            try:
+                self._ask({"op": "run", "code": code}, None, time.monotonic() + self.cell_timeout, "re-running")
+            except KernelLost:
+                raise KernelLost("the notebook's kernel was lost again while its earlier cells were re-run") from None
+        return kernel
+
+    def _lose(self, why: str) -> None:
+        left = self.kernel.close() if self.kernel else 0
+        self.kernel = None
+        self.restarts += 1
+        self.anomalies.append(why + (f"; it had left {left} process(es) running" if left else ""))
+
+    def _ask(self, request: dict, tensors: dict | None, deadline: float, what: str) -> tuple[dict, dict]:
+        kernel = self.kernel_now()
+        try:
+            return kernel.ask(request, tensors, deadline)
+        except wire.TimedOut:
+            self._lose(f"{what} ran past its time limit ({self.cell_timeout} s); the kernel was stopped and restarted")
+            raise KernelLost(f"it ran past the time limit of {self.cell_timeout} s (an endless loop?)") from None
+        except wire.Closed:
+            self._lose(f"the kernel died during {what} (it exited, crashed or hit a limit) and was restarted")
+            raise KernelLost("the notebook's kernel died (the code exited, crashed or hit a resource limit)") from None
+        except wire.Malformed as error:
+            self._lose(f"the kernel answered {what} with a malformed message ({error}); it was restarted")
+            raise KernelLost(f"the kernel's answer was malformed: {error}") from None
+
+    def run_cell(self, code: str, label: str) -> list:
+        """Run a learner cell in the jail; its outputs as nbformat outputs."""
+        try:
+            answer, _ = self._ask({"op": "run", "code": code}, None, time.monotonic() + self.cell_timeout, label)
+        except KernelLost as lost:
+            return [_error("KernelLost", f"this cell was stopped: {lost}")]
+        self.completed.append(code)
+        outputs = _outputs(answer.get("outputs"), label, self.anomalies)
+        error = answer.get("error")
+        if isinstance(error, list) and len(error) == 2 and all(isinstance(e, str) for e in error):
+            outputs.append(_error(error[0][:100], error[1][:2000]))
+        return outputs
+
+    def call(self, name: str, args: tuple, kwargs: dict, address_space: int | None = None):
+        """The learner's `name`(*args, **kwargs), run in the jail; its value, or its exception raised here."""
+        tensors: dict = {}
+        request = {"op": "call", "name": name, "args": wire.encode(list(args), tensors),
+                   "kwargs": wire.encode(dict(kwargs), tensors)}
+        try:
+            if address_space is None:
+                answer, out = self._ask(request, tensors, self.deadline, f"a call of {name}")
+            else:
+                kernel = self.kernel_now()
+                with kernel.memory_limited(address_space):
+                    answer, out = self._ask(request, tensors, self.deadline, f"a call of {name}")
+                if kernel.spent and self.kernel is kernel:  # its limits stay low: a fresh kernel takes over
+                    kernel.close()
+                    self.kernel = None
+        except KernelLost as lost:
+            raise AssertionError(f"{name} could not be graded on this input: {lost}") from None
+        if isinstance(answer.get("stdout"), str) and answer["stdout"]:
+            print(answer["stdout"][:MAX_TEXT], end="")
+        if "raised" in answer:
+            kind, message = (answer["raised"] + ["", ""])[:2] if isinstance(answer["raised"], list) else ("", "")
+            kind, message = str(kind)[:100], str(message)[:2000]
+            if address_space is not None:
+                raise MemoryError(f"{kind}: {message}")
+            raise PASSED_THROUGH[kind](message) if kind in PASSED_THROUGH else RuntimeError(f"{kind}: {message}")
+        if "failed" in answer:
+            raise AssertionError(f"the answer of {name} could not be sent back to the grader: {answer['failed']}")
+        try:
+            return wire.decode(answer.get("value"), out, device_ok=_device_ok)
+        except wire.Unsendable as kind:
+            raise AssertionError(f"{name} returned a {kind}, which the grader cannot check") from None
+        except wire.Malformed as error:
+            self.anomalies.append(f"a call of {name} answered with a malformed value ({error})")
+            raise AssertionError(f"the answer of {name} was malformed: {error}") from None
+
+    def close(self) -> None:
+        if self.kernel is not None:
+            left = self.kernel.close()
+            if left:
+                self.anomalies.append(f"the notebook left {left} process(es) running; they were stopped with its jail")
+            self.kernel = None
+
+
+def _device_ok(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") and torch.cuda.is_available()
+
+
+class Remote:
+    """Stands in for a graded function in a test cell: each call runs the learner's function in the jail."""
+
+    def __init__(self, name: str, session: Session):
+        self.__name__ = self.name = name
+        self.session = session
+
+    def __call__(self, *args, **kwargs):
+        return self.session.call(self.name, args, kwargs)
+
+    def limited_call(self, allowance: int, *args, **kwargs):
+        """The call, with the runner's address space limited to `allowance` bytes more than it had at
+        start-up and no new process or thread allowed (flashcourse.memory's protocol for measuring from
+        outside). MemoryError when the kernel already holds more, or the call raised under the limit."""
+        kernel = self.session.kernel_now()
+        held = jail.vm_size(kernel.pid) - kernel.start_size
+        if held > allowance // 2:
+            raise MemoryError(f"before the call the notebook's kernel already held {held >> 20} MiB more than at "
+                              f"start-up, and the check allows {allowance >> 20} MiB: delete large tensors that "
+                              "earlier cells keep")
+        return self.session.call(self.name, args, kwargs, address_space=kernel.start_size + allowance)
+
+
+class Refused:
+    """Stands in for a graded function whose code cannot earn points (it launches no kernel of its own)."""
+
+    def __init__(self, name: str, why: str):
+        self.__name__, self.why = name, why
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError(self.why)
+
+
+class JailedExecute(NbGraderPreprocessor):
+    """Run the learner's cells in the jail and the test cells in the grader (replaces nbgrader's Execute)."""
+
+    timeout = Integer(300, help="seconds one cell (or one test cell's calls) may run").tag(config=True)
+    max_restarts = Integer(3, help="fresh kernels started after the notebook's kernel is lost").tag(config=True)
+    trusted = Bool(False, help="grade without a jail where none can be built: only for notebooks you trust, such "
+                               "as the course's samples").tag(config=True)
+
+    def preprocess(self, nb, resources):
+        source = source_notebook_of(resources)
+        names = graded_names(source)
+        learner_code = [c.source for c in nb.cells if c.cell_type == "code" and not is_test_cell(c)]
+        solution_code = [c.source for c in source.cells if c.cell_type == "code" and not is_test_cell(c)]
+        refused = launches.missing_launches(learner_code, launches.launching_functions(solution_code) & set(names))
+        no_jail = jail.why_no_jail()
+        if no_jail and not self.trusted:
+            raise jail.NoJail(f"refusing to run this notebook without a jail: {no_jail}")
+        session = Session(jailed=not no_jail, cell_timeout=self.timeout, max_restarts=self.max_restarts)
+        if no_jail:
+            session.anomalies.append(f"graded WITHOUT a jail (trusted notebook): {no_jail.split('. ')[0]}")
+        stand_ins = {n: Refused(n, refused[n]) if n in refused else Remote(n, session) for n in names}
+        try:
+            for index, cell in enumerate(nb.cells):
+                if cell.cell_type != "code":
+                    continue
+                if is_test_cell(cell):
+                    cell.outputs = self._run_test(cell, stand_ins, session)
+                else:
+                    cell.outputs = session.run_cell(cell.source, f"cell {index + 1}")
+                cell.execution_count = None
+        finally:
+            session.close()
+        for anomaly in session.anomalies:
+            self.log.warning("%s", anomaly)
+        if os.environ.get(ANOMALIES_ENV):
+            with open(os.environ[ANOMALIES_ENV], "a") as f:
+                f.writelines(f"{a}\n" for a in session.anomalies)
+        return nb, resources
+
+    def _run_test(self, cell, stand_ins: dict, session: Session) -> list:
+        grade_id = cell.metadata.nbgrader["grade_id"]
+        printed = io.StringIO()
+        session.deadline = time.monotonic() + self.timeout
+        reset_randomness()
+        error = None
+        with redirect_stdout(printed), redirect_stderr(printed):
+            try:
+                exec(compile(cell.source, f"<test cell {grade_id}>", "exec"), {"__name__": "__grader__", **stand_ins})
+            except Exception as failure:
+                error = _error(type(failure).__name__, str(failure))
+        text = printed.getvalue()[:MAX_TEXT]
+        return [*([nbformat.v4.new_output("stream", name="stdout", text=text)] if text else []),
+                *([error] if error else [])]

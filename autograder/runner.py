@@ -1,0 +1,120 @@
+"""The learner's kernel inside the grading jail: runs the notebook's cells and calls its functions.
+
+    python runner.py IN_FD OUT_FD        (started by autograder/jail.py, never by hand)
+
+It reads requests from IN_FD and answers on OUT_FD, in autograder/wire.py's format:
+    {"op": "run", "code": ...}                      -> {"outputs": [...], "error": [name, message] | None}
+    {"op": "call", "name": ..., "args": ..., "kwargs": ...} -> {"value": ...} | {"raised": [name, message]}
+Everything here runs beside the learner's code, which can change any of it: the grader trusts none
+of what comes back beyond its format. Test code and expected answers never come here, only the
+inputs the grader's tests call the learner's functions with.
+"""
+
+import os
+import sys
+import traceback
+
+import wire
+
+MAX_TEXT = 100_000          # characters of printed output kept per cell or call
+KEPT_MIME = ("text/plain", "image/png")
+
+
+class Withheld:
+    """Import hook: the modules grading withholds fail with a message that says so."""
+
+    WITHHELD = ("flashcourse.", "autograder")
+
+    def find_spec(self, name, path=None, target=None):
+        # Last on sys.meta_path: reached only when no file provides the module.
+        if name.startswith(self.WITHHELD):
+            raise ModuleNotFoundError(f"{name} is not available while grading: graded code must not use the "
+                                      "course's reference, checks or finished implementations", name=name)
+        return None
+
+
+def start_shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.showtraceback = lambda *args, **kwargs: None   # the error goes back as data, not as printed text
+    try:
+        shell.enable_matplotlib("inline")                # figures come back as PNG outputs, as in Jupyter
+    except Exception:
+        pass
+    return shell
+
+
+def outputs_of(captured) -> list:
+    """nbformat-like outputs: printed text and displayed text or PNG."""
+    outputs = []
+    for name, text in (("stdout", captured.stdout), ("stderr", captured.stderr)):
+        if text:
+            outputs.append({"output_type": "stream", "name": name, "text": text[:MAX_TEXT]})
+    for shown in captured.outputs:
+        data = {k: v for k, v in shown.data.items() if k in KEPT_MIME and isinstance(v, str)}
+        if data:
+            outputs.append({"output_type": "display_data", "data": data})
+    return outputs
+
+
+def run(shell, code: str) -> dict:
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as captured:
+        result = shell.run_cell(code, store_history=True)
+    error = result.error_before_exec or result.error_in_exec
+    return {"outputs": outputs_of(captured),
+            "error": [type(error).__name__, str(error)[:2000]] if error is not None else None}
+
+
+def call(shell, request: dict, tensors: dict) -> tuple[dict, dict]:
+    from IPython.utils.capture import capture_output
+
+    name = request.get("name")
+    function = shell.user_ns.get(name)
+    if not callable(function):
+        return {"raised": ["NameError", f"{name} is not defined in the notebook: run the cell that defines it"]}, {}
+    args = wire.decode(request.get("args", {"list": []}), tensors)
+    kwargs = wire.decode(request.get("kwargs", {"dict": []}), tensors)
+    with capture_output() as captured:
+        try:
+            value = function(*args, **kwargs)
+        except Exception as error:
+            return {"raised": [type(error).__name__, str(error)[:2000]], "stdout": captured.stdout[:MAX_TEXT]}, {}
+    out: dict = {}
+    return {"value": wire.encode(value, out), "stdout": captured.stdout[:MAX_TEXT]}, out
+
+
+def main(in_fd: int, out_fd: int) -> None:
+    sys.meta_path.append(Withheld())
+    import torch  # noqa: F401  (imported before the notebook: part of the start-up the grader measures)
+
+    torch.ones(64, 64) @ torch.ones(64, 64)  # start torch's thread pool now, not inside a measured call
+    shell = start_shell()
+    wire.send(out_fd, {"ready": True})
+    while True:
+        try:
+            request, tensors = wire.receive(in_fd)
+        except wire.Closed:
+            return
+        try:
+            if request.get("op") == "run":
+                answer, out = run(shell, str(request.get("code", ""))), {}
+            elif request.get("op") == "call":
+                answer, out = call(shell, request, tensors)
+            else:
+                return
+        except Exception as error:  # the runner itself failed (e.g. an unsendable value): say so
+            answer, out = {"failed": [type(error).__name__, str(error)[:2000] or traceback.format_exc()[-2000:]]}, {}
+        try:
+            wire.send(out_fd, answer, out)
+        except Exception as error:
+            wire.send(out_fd, {"failed": [type(error).__name__, str(error)[:2000]]})
+
+
+if __name__ == "__main__":
+    in_fd, out_fd = int(sys.argv[1]), int(sys.argv[2])
+    os.set_inheritable(in_fd, False)
+    os.set_inheritable(out_fd, False)
+    main(in_fd, out_fd)

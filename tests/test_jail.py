@@ -1,0 +1,110 @@
+"""The grading jail's properties, observed from inside it: who the code is, what it sees, what it can do."""
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from autograder import ROOT, jail
+
+pytestmark = pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    started = jail.Jail()
+    started.start()
+    yield started
+    started.close()
+
+
+def run(kernel, code: str) -> str:
+    """What the code printed in the jail; fails the test if it raised."""
+    answer, _ = kernel.ask({"op": "run", "code": code}, None, time.monotonic() + 60)
+    assert answer["error"] is None, answer["error"]
+    return "".join(o.get("text", "") for o in answer["outputs"])
+
+
+def test_an_unprivileged_identity_without_capabilities(kernel):
+    """The code is neither root nor the grader's user, holds no capability and cannot gain one."""
+    status = run(kernel, "print(open('/proc/self/status').read())")
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    uid = int(fields["Uid"].split()[0])
+    assert uid != 0
+    assert int(fields["CapEff"], 16) == 0 and int(fields["CapPrm"], 16) == 0
+    assert fields["NoNewPrivs"].strip() == "1"
+    if os.geteuid() == 0:  # seen from outside too: the runner's real uid on this machine is not root
+        assert os.stat(f"/proc/{kernel.pid}").st_uid >= jail.JAIL_UID_BASE
+
+
+def test_its_own_pid_and_network_namespaces(kernel):
+    """Only the jail's own processes are visible, the runner is pid 1, and no address outside is reachable."""
+    out = run(kernel, "import os, socket\nprint(os.getpid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+                      "try:\n    socket.create_connection(('10.0.0.1', 80), timeout=2); print('connected')\n"
+                      "except OSError as e: print('refused', e.errno)")
+    first, second = out.splitlines()
+    assert first.startswith("1 [1")
+    assert len(first.split(",")) < 5, first
+    assert second.startswith("refused")
+
+
+def test_nothing_of_the_course_but_what_answers_no_exercise(kernel):
+    """source/, the hidden checks, the reference and the engine are absent, whatever the spelling of the import."""
+    out = run(kernel, f"import os, importlib\nprint(os.path.exists({str(ROOT / 'source')!r}), "
+                      f"os.path.exists({str(ROOT / 'autograder')!r}), os.path.exists({str(ROOT / 'flashcourse')!r}))\n"
+                      "for name in ('flashcourse' + '.eng' + 'ine', 'flashcourse.reference', 'flashcourse.recurrence', "
+                      "'autograder.hidden'):\n"
+                      "    try:\n        importlib.import_module(name); print('imported', name)\n"
+                      "    except ImportError as e: print('absent', name)\n"
+                      "import flashcourse.runtime, flashcourse.positions; print('kept')")
+    assert out.splitlines()[0] == "False False False"
+    assert "imported" not in out and out.count("absent") == 4 and out.endswith("kept\n")
+
+
+def test_the_filesystem_is_read_only_but_a_small_tmp(kernel):
+    """System folders and the Python environment cannot be written; /tmp can, within its size."""
+    import sys
+
+    out = run(kernel, f"import os\nfor path in ('/usr/x', '/etc/x', {sys.prefix + '/x'!r}, '/x'):\n"
+                      "    try:\n        open(path, 'w'); print('wrote', path)\n"
+                      "    except OSError: pass\n"
+                      "open('/tmp/ok', 'w').write('x'); print('tmp ok')\n"
+                      "try:\n    open('/tmp/big', 'wb').write(b'0' * (300 << 20)); print('filled /tmp')\n"
+                      "except OSError as e: print('full', e.errno)")
+    assert "wrote" not in out and "tmp ok" in out and "full" in out, out
+
+
+def test_limits_are_set(kernel):
+    """Address space, processes, file size, open files and CPU time are limited, hard limits included."""
+    out = run(kernel, "import resource as r\nprint([r.getrlimit(k)[1] for k in (r.RLIMIT_AS, r.RLIMIT_NPROC, "
+                      "r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CPU)])")
+    limits = jail.Limits()
+    expected = [limits.address_space, limits.processes, limits.file_size, limits.open_files, limits.cpu_seconds]
+    assert out.strip() == str(expected)
+
+
+def test_memory_limited_from_outside():
+    """Inside memory_limited, a 1 GiB allocation fails and no process can be started; afterwards both work,
+    unless the kernel says it is spent."""
+    kernel = jail.Jail()
+    kernel.start()
+    code = ("import torch, os\ntry:\n    torch.ones(1 << 28); print('allocated')\nexcept RuntimeError: print('refused')\n"
+            "try:\n    os.fork() or os._exit(0); print('forked')\nexcept OSError: print('no fork')")
+    with kernel.memory_limited(kernel.start_size + (256 << 20)):
+        inside = run(kernel, code)
+    assert inside.split() == ["refused", "no", "fork"]
+    if not kernel.spent:  # raising a hard limit again needs CAP_SYS_RESOURCE, which the grader may lack
+        assert run(kernel, code).split() == ["allocated", "forked"]
+    kernel.close()
+
+
+def test_processes_die_with_the_jail():
+    """Processes the notebook detached are counted at the end and do not outlive the jail."""
+    started = jail.Jail()
+    started.start()
+    run(started, "import subprocess\nfor _ in range(3):\n"
+                 "    subprocess.Popen(['sleep', '4242'], start_new_session=True)")
+    assert started.close() == 3
+    time.sleep(0.5)
+    assert "sleep 4242" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
