@@ -2,6 +2,7 @@
 
 runtime           decides once between a GPU and the Triton interpreter (every notebook starts with it)
 reference         the unfused attention spec every check compares with (float64 ground truth)
+positions         the absolute positions of queries and keys (answers no exercise: graded notebooks import it)
 recurrence        the online-softmax recurrence as data, tile by tile, with the classic bugs injectable
 checks            01's checks: failure messages name the tile, the statistic and the likely mistake
 attention_checks  the same for tensors (03 onwards): GQA mapping, offsets, masks, scale, NaN rows

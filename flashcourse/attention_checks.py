@@ -38,6 +38,7 @@ from typing import Callable, Iterable
 import torch
 
 from . import recurrence, reference
+from .positions import positions
 
 # (rtol, atol) against the float64 reference, per dtype of the inputs. float32 allows for a
 # different summation order; bf16 (8-bit mantissa) and fp16 (11-bit) allow for rounding of the
@@ -182,8 +183,8 @@ def standard_cases(dtype: torch.dtype = torch.float32, device="cpu", d: int = 16
 def _positions(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     b, _, t, _ = case.q.shape
     s = case.k.shape[2]
-    return (reference.positions(case.query_positions, b, t, s - t, "cpu").cpu(),
-            reference.positions(case.key_positions, b, s, 0, "cpu").cpu())
+    return (positions(case.query_positions, b, t, s - t, "cpu").cpu(),
+            positions(case.key_positions, b, s, 0, "cpu").cpu())
 
 
 def _scores_and_mask(case: Case, bug: str | None = None):

@@ -27,6 +27,7 @@ import torch
 
 from . import attention_checks as ac
 from . import reference
+from .positions import positions
 
 
 def case(name: str, *, block_m: int = 32, block_n: int = 32, window: int | None = None, **spec) -> ac.Case:
@@ -118,7 +119,7 @@ def nan_outside(c: ac.Case) -> ac.Case:
     b, _, t, _ = c.q.shape
     s = c.k.shape[2]
     block_n = c.kwargs.get("block_n", 1)
-    qp = reference.positions(c.query_positions, b, t, s - t, "cpu")[0]
+    qp = positions(c.query_positions, b, t, s - t, "cpu")[0]
     keys = torch.arange(s)
     hidden = keys >= int(qp.max()) + block_n
     window = c.kwargs.get("window")

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from .positions import positions
+
 
 def softmax_weighted_sum(scores: Sequence[float], values: Sequence[float]) -> float:
     """sum_j softmax(scores)_j * values_j for one row of plain floats: the worked example's answer."""
@@ -27,18 +29,6 @@ def softmax_weighted_sum(scores: Sequence[float], values: Sequence[float]) -> fl
         raise ValueError("every score is -inf: the softmax is undefined")
     weights = [math.exp(s - top) for s in scores]
     return math.fsum(w * x for w, x in zip(weights, values)) / math.fsum(weights)
-
-
-def positions(given: torch.Tensor | None, batch: int, length: int, offset: int, device) -> torch.Tensor:
-    """Absolute positions as a [B, length] tensor: `given` ([length] or [B, length]) or offset + arange."""
-    if given is None:
-        return (torch.arange(length, device=device) + offset).expand(batch, length)
-    given = torch.as_tensor(given, device=device)
-    if given.dim() == 1:
-        given = given.expand(batch, length)
-    if tuple(given.shape) != (batch, length):
-        raise ValueError(f"positions must have shape [{length}] or [{batch}, {length}], got {list(given.shape)}")
-    return given
 
 
 def visible_mask(q: torch.Tensor, k: torch.Tensor, query_positions=None, key_positions=None,

@@ -7,6 +7,7 @@ import torch
 
 from flashcourse import attention_checks as ac
 from flashcourse import reference
+from flashcourse.positions import positions
 
 
 def reference_attention(q, k, v, query_positions=None, key_positions=None, **_):
@@ -18,8 +19,8 @@ def exp2_tiles(q, k, v, query_positions=None, key_positions=None, tile=4):
     b, hq, t, d = q.shape
     s = k.shape[2]
     group = hq // k.shape[1]
-    qp = reference.positions(query_positions, b, t, s - t, "cpu")
-    kp = reference.positions(key_positions, b, s, 0, "cpu")
+    qp = positions(query_positions, b, t, s - t, "cpu")
+    kp = positions(key_positions, b, s, 0, "cpu")
     out = torch.empty(b, hq, t, v.shape[-1])
     for h in range(hq):
         qs = q[:, h].double() * (math.log2(math.e) / math.sqrt(d))           # [B, T, D]

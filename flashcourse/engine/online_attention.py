@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from flashcourse.reference import positions
+from flashcourse.positions import positions
 
 
 def resolve_positions(q, k, query_positions=None, key_positions=None):
