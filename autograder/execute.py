@@ -152,8 +152,8 @@ class Session:
     def call(self, name: str, args: tuple, kwargs: dict, address_space: int | None = None):
         """The learner's `name`(*args, **kwargs), run in the jail; its value, or its exception raised here."""
         tensors: dict = {}
-        request = {"op": "call", "name": name, "args": wire.encode(list(args), tensors),
-                   "kwargs": wire.encode(dict(kwargs), tensors)}
+        encoded = wire.encode([list(args), dict(kwargs)], tensors)["list"]
+        request = {"op": "call", "name": name, "args": encoded[0], "kwargs": encoded[1]}
         try:
             if address_space is None:
                 answer, out = self._ask(request, tensors, self.deadline, f"a call of {name}")

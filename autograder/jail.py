@@ -45,7 +45,7 @@ START_TIMEOUT_S = 180
 class Limits:
     cpu_seconds: int = 3600            # per process
     address_space: int = 12 << 30      # per process; CUDA needs more, so it is lifted where a GPU is passed in
-    processes: int = 1024              # threads included
+    processes: int = 256               # threads included
     file_size: int = 64 << 20
     open_files: int = 1024
     tmp_bytes: int = 256 << 20         # the private /tmp

@@ -41,28 +41,35 @@ class Closed(Exception):
 
 
 def encode(value: Any, tensors: dict) -> Any:
-    """value as JSON-ready data; its tensors are added to `tensors` (name -> CPU tensor)."""
+    """value as JSON-ready data; its tensors are added to `tensors` (name -> CPU tensor). The same tensor
+    passed twice is sent once and arrives as one tensor, as in `f(x, x, x)`."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "meta":
-            return {"meta": [str(value.dtype).removeprefix("torch."), list(value.shape)]}
-        key = f"t{len(tensors)}"
-        tensors[key] = value.detach().cpu().contiguous()
-        return {"tensor": key, "device": value.device.type}
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    if isinstance(value, float) and not math.isfinite(value):
-        return {"float": repr(value)}
-    if isinstance(value, (bool, int, float, str, type(None))):
-        return value
-    if isinstance(value, (list, tuple)):
-        return {type(value).__name__: [encode(v, tensors) for v in value]}
-    if isinstance(value, dict):
-        return {"dict": [[encode(k, tensors), encode(v, tensors)] for k, v in value.items()]}
-    return {"unsendable": type(value).__name__}
+    seen: dict[int, str] = {}
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, torch.Tensor):
+            if item.device.type == "meta":
+                return {"meta": [str(item.dtype).removeprefix("torch."), list(item.shape)]}
+            if id(item) not in seen:
+                seen[id(item)] = key = f"t{len(tensors)}"
+                tensors[key] = item.detach().to("cpu", copy=True).contiguous()  # a copy: no storage is shared
+            return {"tensor": seen[id(item)], "device": item.device.type}
+        if isinstance(item, torch.dtype):
+            return {"dtype": str(item).removeprefix("torch.")}
+        if isinstance(item, torch.device):
+            return {"device": str(item)}
+        if isinstance(item, float) and not math.isfinite(item):
+            return {"float": repr(item)}
+        if isinstance(item, (bool, int, float, str, type(None))):
+            return item
+        if isinstance(item, (list, tuple)):
+            return {type(item).__name__: [walk(v) for v in item]}
+        if isinstance(item, dict):
+            return {"dict": [[walk(k), walk(v)] for k, v in item.items()]}
+        return {"unsendable": type(item).__name__}
+
+    return walk(value)
 
 
 class Unsendable(Exception):

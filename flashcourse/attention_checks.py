@@ -401,7 +401,11 @@ def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> No
     The full score matrix of one (batch, head) alone has T * S elements; a tiled implementation's
     largest tensor is about B * Hq * T * tile elements, far smaller for the case given (tile < S). The
     output must still be attention (correct, or one of the recognised mistakes, graded elsewhere).
+    A function that runs in another process (a notebook being graded) is measured from outside
+    instead: see `check_memory_from_outside`.
     """
+    if hasattr(fn, "limited_call"):
+        return check_memory_from_outside(fn, case, tile_arg)
     from .memory import AllocationTracker
 
     what = getattr(fn, "__name__", "attention")
@@ -420,6 +424,50 @@ def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> No
     if recognise(got, case, case.kwargs.get(tile_arg)) is None:
         raise AssertionError(f"{what}, {case.describe()}: the output is not attention (it matches neither the "
                              "reference nor any recognised mistake), so its memory use is not graded.")
+
+
+PROBE_SCORE_BYTES = 1 << 30      # one float32 [B, Hq, T, S] score matrix of the scaled-up case
+PROBE_ALLOWANCE = 768 << 20      # what the call may map beyond its process's start-up size
+PROBE_TILE = 256
+PROBE_ROWS = 8                   # query rows compared with the reference at the large size
+
+
+def check_memory_from_outside(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
+    """`case` scaled up until one float32 [B, Hq, T, S] score matrix takes PROBE_SCORE_BYTES, then fn
+    called through `fn.limited_call` (flashcourse.memory's protocol): its process may map only
+    PROBE_ALLOWANCE more bytes than at start-up, less than that one matrix, so only a function that
+    keeps one tile of scores at a time can answer. A few rows of its output must be attention or one
+    of the recognised mistakes (graded elsewhere), so a function that gives up on large inputs earns
+    nothing.
+    """
+    what = getattr(fn, "__name__", "attention")
+    b, hq, t, d = case.q.shape
+    hkv, s = case.k.shape[1], case.k.shape[2]
+    grow = math.ceil(math.sqrt(PROBE_SCORE_BYTES / (4 * b * hq * t * s)))
+    big = make_case(f"{case.name}, {grow}x longer", batch=b, q_heads=hq, kv_heads=hkv, t=t * grow, s=s * grow, d=d,
+                    seed=t * s, **{tile_arg: PROBE_TILE})
+    matrix_mib = 4 * b * hq * big.q.shape[2] * big.k.shape[2] >> 20
+    try:
+        got = fn.limited_call(PROBE_ALLOWANCE, *(big.q, big.k, big.v), **big.kwargs)
+    except MemoryError as error:
+        raise AssertionError(
+            f"{what}, {big.describe()}: with its memory limited to {PROBE_ALLOWANCE >> 20} MiB beyond what the "
+            f"kernel held at start-up, it failed ({error}). One [T, S] float32 score matrix of this case alone "
+            f"takes {matrix_mib} MiB: compute the scores one key tile at a time and never keep them all.") from None
+    expected_shape = (b, hq, big.q.shape[2], big.v.shape[3])
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != expected_shape:
+        raise AssertionError(f"{what}, {big.describe()}: expected an output of shape {list(expected_shape)}, got "
+                             f"{list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+    rows = torch.randperm(big.q.shape[2], generator=torch.Generator().manual_seed(s))[:PROBE_ROWS]
+    offset = big.k.shape[2] - big.q.shape[2]
+    picked = got[:, :, rows].detach().cpu()
+    # Those rows as cases of their own: placed at their positions, and where "offset ignored" puts them.
+    placed = Case(big.name, big.q[:, :, rows], big.k, big.v, query_positions=rows + offset)
+    unshifted = Case(big.name, big.q[:, :, rows], big.k, big.v, query_positions=rows)
+    if recognise(picked, placed, PROBE_TILE) is None and explain_output(picked, unshifted) is not None:
+        raise AssertionError(f"{what}, {big.describe()}: within the memory limit it answered, but rows "
+                             f"{rows.tolist()} of its output are neither attention nor a recognised mistake, so its "
+                             "memory use earns nothing.")
 
 
 def partial_states(case: Case, bounds: Iterable[tuple[int, int]], dtype: torch.dtype = torch.float32):

@@ -90,3 +90,11 @@ def test_silence_times_out_and_a_closed_pipe_is_closed():
     with pytest.raises(wire.Closed):
         wire.receive(reader, time.monotonic() + 5)
     os.close(reader)
+
+
+def test_one_tensor_passed_three_times_arrives_as_one():
+    """f(x, x, x) arrives as three references to one tensor; views of one storage arrive as copies."""
+    x = torch.randn(2, 3)
+    got = _round_trip([x, x, x, x[0], x[1]])
+    assert got[0] is got[1] is got[2] and torch.equal(got[0], x)
+    assert torch.equal(got[3], x[0]) and torch.equal(got[4], x[1])

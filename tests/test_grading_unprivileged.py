@@ -1,0 +1,82 @@
+"""The same adversarial submissions graded by an ordinary user, not root: the same grades, nothing touched.
+
+CI runs as root, where the jail drops to a uid of its own. An ordinary user's grader builds the jail
+in a user namespace instead, so that path is exercised here: the batch grader itself runs as uid
+UNPRIVILEGED with no capabilities (inside a mount namespace that only makes the Python environment
+and the course readable to that uid, as they would be on an instructor's machine).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from autograder import ROOT, jail
+from test_grading_robustness import ASSIGNMENT, CASES, _fingerprint, _write
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")]
+UNPRIVILEGED = 1000
+STUDENTS = ("correct_neighbour", "mentions_any_word", "infects_the_grader", "leaves_daemons", "kills_everyone",
+            "forges_a_message", "links_to_the_source")
+
+
+def _readable_to_everyone(paths: list[Path]) -> list[str]:
+    """bwrap options (run as root) under which every folder on the way to `paths` can be passed through."""
+    options, covered = [], set()
+    for path in paths:
+        for parent in reversed(path.parents[:-1]):
+            if parent in covered or os.stat(parent).st_mode & 0o001:
+                continue
+            covered.add(parent)
+            child = path.relative_to(parent).parts[0]
+            options += ["--perms", "0755", "--tmpfs", str(parent), "--bind", str(parent / child), str(parent / child)]
+    return options
+
+
+def _as_ordinary_user(argv: list[str], home: Path) -> list[str]:
+    if os.geteuid() != 0:
+        return argv
+    wrapper = ["bwrap", "--dev-bind", "/", "/",
+               *_readable_to_everyone([ROOT, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), home]),
+               "--", "/usr/bin/setpriv", "--reuid", str(UNPRIVILEGED), "--regid", str(UNPRIVILEGED), "--clear-groups",
+               "--inh-caps=-all", "--bounding-set=-all", "--"]
+    return wrapper + argv
+
+
+def test_an_ordinary_user_grades_the_same():
+    """Run as an ordinary user, the grader gives the adversarial submissions the same grades and touches nothing."""
+    work = Path(tempfile.mkdtemp(prefix="flashcourse-unprivileged-", dir="/tmp"))
+    try:
+        for student in STUDENTS:
+            folder = work / "submitted" / student / ASSIGNMENT
+            folder.mkdir(parents=True)
+            for name, content in CASES[student][0].items():
+                _write(folder, name, content)
+        for path in [work, *work.rglob("*")]:
+            if not path.is_symlink():
+                path.chmod(0o777 if path.is_dir() else 0o666)
+        before = _fingerprint(ROOT)
+        env = {**os.environ, "HOME": str(work), "JUPYTER_RUNTIME_DIR": str(work / "runtime")}
+        run = subprocess.run(_as_ordinary_user([sys.executable, "-m", "autograder", "grade", str(work / "submitted"),
+                                                "--out", str(work / "out"), "--jobs", "2"], work),
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert _fingerprint(ROOT) == before
+        rows = [line.split(",") for line in (work / "out" / "grades.csv").read_text().splitlines()[1:]]
+        got = {}
+        for student, _, question, kind, points, _ in rows:
+            if kind == "auto":
+                got.setdefault(student, {})[question] = float(points)
+        for student in STUDENTS:
+            assert got[student] == CASES[student][1], (student, got[student], run.stdout[-2000:])
+        summary = (work / "out" / "summary.txt").read_text()
+        assert "left 3 process(es) running" in summary and "malformed" in summary, summary
+        if os.geteuid() == 0:
+            assert all(p.stat().st_uid == UNPRIVILEGED for p in (work / "out").iterdir()), "the grader was not the user"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,149 @@
+"""Points only for the work: full marks without writing the algorithm are out of reach, by measurement.
+
+03's memory points are measured from outside the learner's process, so a score matrix built in
+numpy, or kept in a buffer allocated ahead of time, costs them. 04's kernel points need the wrapper
+to launch a @triton.jit kernel written in the notebook, so correct attention in plain PyTorch earns
+none. Each submission is alt_correct's notebook with one function replaced.
+"""
+
+import copy
+import json
+
+import pytest
+
+from autograder import grade, jail
+from conftest import SAMPLES, expected_scores
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")]
+EXPECTED = expected_scores()
+
+NUMPY_SCORES = '''import numpy as np
+
+
+def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
+    """Exact attention with the whole score matrix, computed in numpy where torch cannot see it."""
+    if tile < 1:
+        raise ValueError("tile must be >= 1")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError("Hq % Hkv != 0")
+    b, t, s = q.shape[0], q.shape[2], k.shape[2]
+    qp = positions(query_positions, b, t, s - t, q.device).numpy()
+    kp = positions(key_positions, b, s, 0, q.device).numpy()
+    group = q.shape[1] // k.shape[1]
+    kk = np.repeat(k.double().numpy(), group, axis=1)
+    vv = np.repeat(v.double().numpy(), group, axis=1)
+    scores = q.double().numpy() @ kk.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
+    visible = (kp[:, None, None, :] <= qp[:, None, :, None])
+    if not visible.any(-1).all():
+        raise ValueError("some query sees no key")
+    scores = np.where(visible, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    out = (weights / weights.sum(-1, keepdims=True)) @ vv
+    return torch.from_numpy(out).to(q.dtype)
+'''
+
+# A buffer bigger than any score matrix the check could use, allocated before the tests run.
+PREALLOCATED = '''import torch
+
+_scratch = torch.empty(1 << 29)   # 2 GiB of float32, reused for every score matrix
+
+
+def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
+    """Exact attention, the score matrix written into the preallocated buffer."""
+    if tile < 1:
+        raise ValueError("tile must be >= 1")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError("Hq % Hkv != 0")
+    b, hq, t, d = q.shape
+    s = k.shape[2]
+    qp = positions(query_positions, b, t, s - t, q.device)
+    kp = positions(key_positions, b, s, 0, q.device)
+    group = hq // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)
+    vv = v.float().repeat_interleave(group, dim=1)
+    scores = _scratch[: b * hq * t * s].view(b, hq, t, s)
+    torch.matmul(q.float(), kk.transpose(-2, -1), out=scores)
+    scores.mul_(d ** -0.5)
+    visible = (kp[:, None, None, :] <= qp[:, None, :, None])
+    if not visible.any(-1).all():
+        raise ValueError("some query sees no key")
+    scores.masked_fill_(~visible, float("-inf"))
+    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+    scores.div_(scores.sum(-1, keepdim=True))
+    return (scores @ vv).to(q.dtype)
+'''
+
+PLAIN_PYTORCH = '''def flash_attention(q, k, v, query_offset=None, block_m=32, block_n=32, window=None, **launch):
+    """Causal attention in plain PyTorch: correct, but no Triton kernel."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if len({q.device, k.device, v.device}) > 1:
+        raise ValueError("q, k and v live on different devices")
+    if H % Hkv != 0:
+        raise ValueError("Hq must be a multiple of Hkv")
+    if D < 16 or (D & (D - 1)) != 0:
+        raise ValueError("D must be a power of two, at least 16")
+    start = S - T if query_offset is None else query_offset
+    kk = k.float().repeat_interleave(H // Hkv, dim=1)
+    vv = v.float().repeat_interleave(H // Hkv, dim=1)
+    scores = q.float() @ kk.transpose(-2, -1) * D ** -0.5
+    qpos = torch.arange(T, device=q.device)[:, None] + start
+    kpos = torch.arange(S, device=q.device)[None, :]
+    visible = kpos <= qpos
+    if window is not None:
+        visible &= kpos > qpos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.nan_to_num(scores.softmax(-1)).matmul(torch.nan_to_num(vv)).to(q.dtype)
+'''
+
+
+def _replacing(assignment: str, grade_id: str, code: str) -> dict:
+    nb = json.loads((SAMPLES / "submitted" / "alt_correct" / assignment / f"{assignment}.ipynb").read_text())
+    nb = copy.deepcopy(nb)
+    cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == grade_id)
+    cell["source"] = code
+    return nb
+
+
+def _without(assignment: str, *questions: str) -> dict:
+    full = dict(EXPECTED[assignment]["alt_correct"])
+    return {**full, **dict.fromkeys(questions, 0)}
+
+
+CASES = {  # student -> (assignment, notebook, expected points)
+    "numpy_scores": ("03_online_attention", _replacing("03_online_attention", "online_attention", NUMPY_SCORES),
+                     _without("03_online_attention", "test_online_attention_memory")),
+    "preallocated_scores": ("03_online_attention",
+                            _replacing("03_online_attention", "online_attention", PREALLOCATED),
+                            _without("03_online_attention", "test_online_attention_memory")),
+    "plain_pytorch": ("04_triton_flash", _replacing("04_triton_flash", "flash_attention", PLAIN_PYTORCH),
+                      dict.fromkeys(EXPECTED["04_triton_flash"]["alt_correct"], 0)),
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("work")
+    for student, (assignment, nb, _) in CASES.items():
+        folder = root / "submitted" / student / assignment
+        folder.mkdir(parents=True)
+        (folder / f"{assignment}.ipynb").write_text(json.dumps(nb))
+    return {o.student: o for o in grade.grade(root / "submitted", root / "out", jobs=2, progress=False)}, root / "out"
+
+
+@pytest.mark.parametrize("student", CASES)
+def test_no_points_without_the_work(graded, student):
+    """Each shortcut loses exactly the points of what it did not do, and nothing else."""
+    outcomes, _ = graded
+    got = {s.question: s.points for s in outcomes[student].scores if s.kind == "auto"}
+    assert got == CASES[student][2], (got, outcomes[student].problem, outcomes[student].anomalies)
+
+
+def test_the_feedback_says_why(graded):
+    """The feedback names the cause: the memory limit with the matrix's size, or the missing kernel launch."""
+    _, out = graded
+    numpy_page = next((out / "feedback" / "numpy_scores").rglob("*.html")).read_text()
+    assert "memory limited to" in numpy_page and "score matrix" in numpy_page
+    torch_page = next((out / "feedback" / "plain_pytorch").rglob("*.html")).read_text()
+    assert "launches no @triton.jit kernel" in torch_page
