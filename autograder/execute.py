@@ -36,6 +36,7 @@ ANOMALIES_ENV = "FLASHCOURSE_ANOMALIES"  # a file the batch grader reads the ano
 MAX_TEXT = 100_000                       # characters of output kept per stream
 MAX_IMAGES = 8                           # PNGs kept per cell
 MAX_IMAGE_BYTES = 4 << 20
+MAX_NOTEBOOK_OUTPUT = 32 << 20           # bytes of output kept for the whole notebook
 # Exceptions the learner's function may raise as themselves; any other becomes a RuntimeError with its name.
 PASSED_THROUGH = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, AssertionError, RuntimeError,
                                           ZeroDivisionError, IndexError, KeyError, OverflowError, ArithmeticError)}
@@ -95,6 +96,7 @@ class Session:
         self.completed: list[str] = []   # learner cells that ran to their end, in order: run again after a restart
         self.anomalies: list[str] = []
         self.deadline = 0.0
+        self.output_left = MAX_NOTEBOOK_OUTPUT
 
     def kernel_now(self) -> jail.Jail:
         """The notebook's kernel, started (and brought up to date) when there is none."""
@@ -143,11 +145,22 @@ class Session:
         except KernelLost as lost:
             return [_error("KernelLost", f"this cell was stopped: {lost}")]
         self.completed.append(code)
-        outputs = _outputs(answer.get("outputs"), label, self.anomalies)
+        outputs = self._within_budget(_outputs(answer.get("outputs"), label, self.anomalies), label)
         error = answer.get("error")
         if isinstance(error, list) and len(error) == 2 and all(isinstance(e, str) for e in error):
             outputs.append(_error(error[0][:100], error[1][:2000]))
         return outputs
+
+    def _within_budget(self, outputs: list, label: str) -> list:
+        size = sum(len(str(o)) for o in outputs)
+        if size <= self.output_left:
+            self.output_left -= size
+            return outputs
+        if self.output_left > 0:
+            self.anomalies.append(f"{label}: the notebook's output passed {MAX_NOTEBOOK_OUTPUT >> 20} MiB; "
+                                  "later output was dropped")
+        self.output_left = 0
+        return [nbformat.v4.new_output("stream", name="stdout", text="[output dropped: the notebook printed too much]\n")]
 
     def call(self, name: str, args: tuple, kwargs: dict, address_space: int | None = None):
         """The learner's `name`(*args, **kwargs), run in the jail; its value, or its exception raised here."""

@@ -69,12 +69,24 @@ def why_no_jail() -> str | None:
         return f"learners' notebooks are graded in a Linux jail, and this is {platform.system()}. {HOW_TO_GET_ONE}"
     if not shutil.which("bwrap"):
         return f"bubblewrap (bwrap) is not installed. {HOW_TO_GET_ONE}"
+    installed = _answers_in_environment()
+    if installed:
+        return (f"the Python environment holds a copy of the course's answers ({installed}), which the jail would "
+                "show to learners: install the course in editable mode (pip install -e .) instead")
     probe = subprocess.run(_bwrap_argv(Path("/nonexistent"), None) + ["/usr/bin/true"], capture_output=True,
                            text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     if probe.returncode:
         return (f"bubblewrap could not build the jail here ({probe.stderr.strip()[:300]}); user namespaces may be "
                 f"disabled (sysctl kernel.unprivileged_userns_clone=1, or an AppArmor profile for bwrap). "
                 f"{HOW_TO_GET_ONE}")
+    return None
+
+
+def _answers_in_environment() -> str | None:
+    """A copy of flashcourse's finished engine inside the Python environment the jail shows, if any."""
+    for prefix in {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}:
+        for found in prefix.glob("lib/python3*/site-packages/flashcourse/engine"):
+            return str(found)
     return None
 
 

@@ -1,0 +1,22 @@
+# The course's grading image: the jail (bubblewrap) and everything the grader needs, on Linux.
+#   docker build -t flashcourse-grader .
+#   docker run --rm --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
+#       -v "$PWD/submitted:/submitted:ro" -v "$PWD/build:/course/build" \
+#       flashcourse-grader python -m autograder grade /submitted
+# bubblewrap creates a user namespace inside the container, which Docker's default seccomp and
+# AppArmor profiles forbid: hence the two options (or run the grader on a Linux host with bubblewrap).
+FROM python:3.11-slim-bookworm
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap util-linux make \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /course
+COPY . .
+RUN python -m venv .venv \
+    && .venv/bin/pip install --no-cache-dir "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+    && .venv/bin/pip install --no-cache-dir -e ".[dev]" \
+    && touch .venv/bin/.installed
+# The grader runs as an ordinary user: the jail is then built in a user namespace, and the
+# learner's code is uid 65534 there, with no capability.
+RUN useradd --create-home grader && mkdir -p build && chown grader build
+USER grader
+ENV PATH=/course/.venv/bin:$PATH
+CMD ["python", "-m", "autograder", "--help"]
