@@ -255,7 +255,11 @@ class JailedExecute(NbGraderPreprocessor):
     def preprocess(self, nb, resources):
         source = source_notebook_of(resources)
         names = graded_names(source)
-        learner_code = [c.source for c in nb.cells if c.cell_type == "code" and not is_test_cell(c)]
+        # What runs here is the instructor's code for each test cell, chosen by its id: a cell the
+        # learner dressed up as a test cell runs in the jail like any other of theirs.
+        tests = {c.metadata.nbgrader["grade_id"]: c.source for c in source.cells if is_test_cell(c)}
+        learner_code = [c.source for c in nb.cells if c.cell_type == "code"
+                        and c.metadata.get("nbgrader", {}).get("grade_id") not in tests]
         solution_code = [c.source for c in source.cells if c.cell_type == "code" and not is_test_cell(c)]
         refused = launches.missing_launches(learner_code, launches.launching_functions(solution_code) & set(names))
         no_jail = jail.why_no_jail()
@@ -269,8 +273,10 @@ class JailedExecute(NbGraderPreprocessor):
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
                     continue
-                if is_test_cell(cell):
-                    cell.outputs = self._run_test(cell, stand_ins, session)
+                grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+                if grade_id in tests:
+                    cell.source = tests.pop(grade_id)
+                    cell.outputs = self._run_test(grade_id, cell.source, stand_ins, session)
                 else:
                     cell.outputs = session.run_cell(cell.source, f"cell {index + 1}")
                 cell.execution_count = None
@@ -283,15 +289,14 @@ class JailedExecute(NbGraderPreprocessor):
                 f.writelines(f"{a}\n" for a in session.anomalies)
         return nb, resources
 
-    def _run_test(self, cell, stand_ins: dict, session: Session) -> list:
-        grade_id = cell.metadata.nbgrader["grade_id"]
+    def _run_test(self, grade_id: str, source: str, stand_ins: dict, session: Session) -> list:
         printed = io.StringIO()
         session.deadline = time.monotonic() + self.timeout
         reset_randomness()
         error = None
         with redirect_stdout(printed), redirect_stderr(printed):
             try:
-                exec(compile(cell.source, f"<test cell {grade_id}>", "exec"), {"__name__": "__grader__", **stand_ins})
+                exec(compile(source, f"<test cell {grade_id}>", "exec"), {"__name__": "__grader__", **stand_ins})
             except Exception as failure:
                 error = _error(type(failure).__name__, str(failure))
         text = printed.getvalue()[:MAX_TEXT]

@@ -128,6 +128,23 @@ FORGE_MESSAGE = "import os, sys\nos.write(int(sys.argv[2]), b'\\x00' * 7 + b'\\x
 HONEST_MENTIONS = ("# Checked with `python -m autograder check`; flashcourse.engine and autograder.hidden are the\n"
                    "# course's, not mine. from flashcourse.reference import attention  <- not used\n"
                    "notes = 'importlib.import_module(\"flashcourse.engine\") is what a cheat would write'")
+# Cells dressed up as test cells: if the grader ran them as its own, the marker would appear on this machine.
+MARKER = Path("/tmp/flashcourse-ran-in-the-grader")
+IN_THE_GRADER = f"open({str(MARKER)!r}, 'w').write('learner code ran in the grader')"
+
+
+def _dressed_as_test(base: dict, grade_id: str, before: str | None = None) -> dict:
+    """base with a learner cell carrying test-cell metadata (a new id, or a real test's id placed before it)."""
+    nb = copy.deepcopy(base)
+    cell = {"cell_type": "code", "id": f"dressed-{grade_id}", "execution_count": None, "outputs": [],
+            "source": IN_THE_GRADER, "metadata": {"nbgrader": {"grade": True, "solution": False, "locked": True,
+                                                                "grade_id": grade_id, "points": 8,
+                                                                "schema_version": 3}}}
+    at = nb["cells"].index(_cell(nb, before)) if before else 2
+    nb["cells"].insert(at, cell)
+    return nb
+
+
 LAST = len(BUGGY["cells"]) - 1  # after the learner's own definitions, so a cheat would replace them
 
 # student -> (files in submitted/<student>/01_online_softmax/, expected points, words the summary must hold)
@@ -167,6 +184,9 @@ CASES = {
     "imports_the_engine_by_parts": ({NOTEBOOK: with_cell(BUGGY, USE_ENGINE, at=LAST)}, WRONG, None),
     "uses_the_reference": ({NOTEBOOK: with_cell(BUGGY, USE_REFERENCE, at=LAST)}, WRONG, None),
     "uses_the_recurrence": ({NOTEBOOK: with_cell(BUGGY, USE_RECURRENCE, at=LAST)}, WRONG, None),
+    "fakes_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "my_own_test")}, WRONG, None),
+    "shadows_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "test_tile_update", before="tile_update")},
+                            WRONG, None),
     "forges_a_message": ({NOTEBOOK: with_cell(BUGGY, FORGE_MESSAGE)}, WRONG, "malformed"),
     "deletes_a_test": ({NOTEBOOK: edited(BUGGY, _drop_test)}, WRONG, None),
     "duplicates_a_test": ({NOTEBOOK: edited(BUGGY, _duplicate_test)}, WRONG, None),
@@ -227,6 +247,7 @@ def test_the_grader_and_the_batch_are_untouched(graded):
     """No course file changed, grades.csv matches the outcomes line for line, and no forged line exists."""
     outcomes, out, before = graded
     assert _fingerprint(ROOT) == before
+    assert not MARKER.exists(), MARKER.read_text()
     rows = list(csv.DictReader((out / "grades.csv").open()))
     expected = [(s.student, s.question, f"{s.points:g}") for o in outcomes.values() for s in o.scores]
     assert sorted((r["student"], r["question"], r["points"]) for r in rows) == sorted(expected)
