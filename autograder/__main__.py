@@ -16,7 +16,9 @@ def main() -> int:
     b = sub.add_parser("build", help="regenerate notebooks/, solutions/ and the engine from source/")
     b.add_argument("assignments", nargs="*", help="only these assignments (default: all of source/)")
     b.add_argument("--check", action="store_true", help="only report what is out of date; exit 1 if anything is")
-    b.add_argument("--no-execute", action="store_true", help="do not execute solutions whose source changed")
+    b.add_argument("--no-execute", action="store_true",
+                   help="keep executed solutions' outputs: carry a changed source's text into them "
+                        "(refused where a code cell with outputs changed)")
     g = sub.add_parser("grade", help="autograde a folder laid out as submitted/<student>/<assignment>/")
     g.add_argument("submissions", type=Path)
     g.add_argument("--out", type=Path, default=ROOT / "build" / "grades")

@@ -6,7 +6,8 @@
 source/<assignment>/<assignment>.ipynb is the single hand-written notebook of each assignment:
 - notebooks/ is `nbgrader generate_assignment` of it (solutions replaced by stubs, hidden tests removed);
 - solutions/ is it with the solution markers and hidden tests removed, executed, outputs kept. A
-  solution is re-executed only when its source changed, so outputs made on a GPU are kept;
+  solution is re-executed only when its source changed, so outputs made on a GPU are kept; with
+  --no-execute a changed source's text is carried into the executed solution instead (carry_text);
 - flashcourse/engine/<name>.py collects the solution cells tagged "export", for later chapters.
 """
 
@@ -110,6 +111,39 @@ def _solution_is_current(assignment: str) -> bool:
     return meta.get("source_sha256") == _sha256(source_notebook(assignment))
 
 
+def carry_text(assignment: str) -> list[str]:
+    """Bring the committed, executed solution up to date with source/ without executing anything.
+
+    Each cell takes the source's new text and keeps its outputs, so outputs made on a GPU survive a
+    change of prose or of a test cell. Refused (ValueError) when cells were added, removed or
+    reordered, or when a code cell that has outputs changed: that needs executing. Code cells whose
+    text changed are listed under the notebook's metadata "not_executed" (ids) until the next
+    execution; they are returned too.
+    """
+    path = SOLUTIONS / assignment / f"{assignment}.ipynb"
+    executed = nbformat.read(path, as_version=4)
+    fresh = solution_cells(assignment)
+    if [(c.cell_type, c.get("id")) for c in executed.cells] != [(c.cell_type, c.get("id")) for c in fresh.cells]:
+        raise ValueError(f"solutions/{assignment}: cells were added, removed or reordered; execute the solution")
+    changed = []
+    for cell, new in zip(executed.cells, fresh.cells):
+        if cell.source == new.source:
+            continue
+        if cell.cell_type == "code":
+            if cell.outputs:
+                raise ValueError(f"solutions/{assignment}: code cell {new.get('id')} changed and has outputs; "
+                                 "execute the solution")
+            changed.append(new.get("id"))
+        cell.source = new.source
+    meta = dict(fresh.metadata["flashcourse"])
+    not_executed = sorted({*executed.metadata.get("flashcourse", {}).get("not_executed", []), *changed})
+    if not_executed:
+        meta["not_executed"] = not_executed
+    executed.metadata["flashcourse"] = meta
+    nbformat.write(executed, path)
+    return changed
+
+
 def build(only: list[str] | None = None, execute_solutions: bool = True) -> None:
     """Regenerate everything generated from source/ (or from the assignments named in `only`)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,11 +153,17 @@ def build(only: list[str] | None = None, execute_solutions: bool = True) -> None
             text = engine_source(assignment)
             if text:
                 (ENGINE / f"{engine_module(assignment)}.py").write_text(text)
-            if execute_solutions and not _solution_is_current(assignment):
-                out = SOLUTIONS / assignment
+            if _solution_is_current(assignment):
+                continue
+            out = SOLUTIONS / assignment
+            if execute_solutions:
                 out.mkdir(parents=True, exist_ok=True)
                 print(f"build: executing the solution of {assignment}", flush=True)
                 nbformat.write(execute(solution_cells(assignment), out), out / f"{assignment}.ipynb")
+            elif (out / f"{assignment}.ipynb").exists():
+                changed = carry_text(assignment)
+                print(f"build: carried the new text into the executed solution of {assignment}, outputs kept"
+                      + (f"; code cells not re-executed: {', '.join(changed)}" if changed else ""), flush=True)
 
 
 def drift(only: list[str] | None = None) -> list[str]:

@@ -91,3 +91,45 @@ def test_test_cells_are_self_contained(assignment):
             free = _free_names(cell.source) - graded
             assert not free, (f"{assignment}/{meta['grade_id']} uses {sorted(free)} from earlier cells: "
                               "import or define them in the test cell itself")
+
+
+
+def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypatch):
+    """--no-execute: new prose and test-cell text reach the executed solution, its outputs stay, and the
+    solution counts as current; a changed code cell that has outputs is refused."""
+    import shutil
+
+    assignment = "01_online_softmax"
+    shutil.copytree(build.source_notebook(assignment).parent, tmp_path / "source" / assignment)
+    monkeypatch.setattr(build, "SOURCE", tmp_path / "source")
+    monkeypatch.setattr(build, "SOLUTIONS", tmp_path / "solutions")
+    # An "executed" solution of the current source, with an output standing for one made on a GPU.
+    executed = build.solution_cells(assignment)
+    shown = next(i for i, c in enumerate(executed.cells) if c.cell_type == "code" and "grade" not in
+                 c.metadata.get("nbgrader", {}))
+    executed.cells[shown].outputs = [nbformat.v4.new_output("stream", name="stdout", text="made on a GPU\n")]
+    solution = tmp_path / "solutions" / assignment / f"{assignment}.ipynb"
+    solution.parent.mkdir(parents=True)
+    nbformat.write(executed, solution)
+
+    nb = _source(assignment)
+    prose = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown")
+    test = next(i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade")
+                and c.cell_type == "code")
+    nb.cells[prose].source += "\n\nA new sentence."
+    nb.cells[test].source += "\nassert True"
+    nbformat.write(nb, build.source_notebook(assignment))
+    assert not build._solution_is_current(assignment)
+
+    assert build.carry_text(assignment) == [nb.cells[test].id]
+    after = nbformat.read(solution, as_version=4)
+    assert build._solution_is_current(assignment)
+    assert after.cells[prose].source.endswith("A new sentence.")
+    assert after.cells[test].source.endswith("assert True")
+    assert after.cells[shown].outputs == executed.cells[shown].outputs
+    assert after.metadata["flashcourse"]["not_executed"] == [nb.cells[test].id]
+
+    nb.cells[shown].source += "\nx = 1"
+    nbformat.write(nb, build.source_notebook(assignment))
+    with pytest.raises(ValueError, match="has outputs"):
+        build.carry_text(assignment)
