@@ -158,12 +158,20 @@ def _library(into: Path) -> Path:
     return library
 
 
+def _withheld_modules() -> list[str]:
+    """flashcourse's modules that the jail does not hold (named so their import can say why it fails)."""
+    package = ROOT / "flashcourse"
+    names = {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    return sorted(f"flashcourse.{n}" for n in names - {Path(m).stem for m in KEPT_MODULES})
+
+
 def _environment(limits: Limits, gpu: bool) -> dict[str, str]:
     threads = str(limits.threads)
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
            "PYTHONPATH": LIBRARY, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
            "MPLCONFIGDIR": "/tmp/.matplotlib", "TRITON_CACHE_DIR": "/tmp/.triton",
-           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+           "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+           "FLASHCOURSE_WITHHELD": ",".join(["autograder", *_withheld_modules()])}
     if gpu and "CUDA_VISIBLE_DEVICES" in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     return env

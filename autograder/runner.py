@@ -21,16 +21,25 @@ KEPT_MIME = ("text/plain", "image/png")
 
 
 class Withheld:
-    """Import hook: the modules grading withholds fail with a message that says so."""
+    """Import hook, last on sys.meta_path: a course module that grading withholds (no file provides it
+    here) fails to import with a message that says so, in every spelling of the import."""
 
-    WITHHELD = ("flashcourse.", "autograder")
+    WITHHELD = tuple(os.environ.get("FLASHCOURSE_WITHHELD", "").split(","))  # set by the grader
 
     def find_spec(self, name, path=None, target=None):
-        # Last on sys.meta_path: reached only when no file provides the module.
-        if name.startswith(self.WITHHELD):
-            raise ModuleNotFoundError(f"{name} is not available while grading: graded code must not use the "
-                                      "course's reference, checks or finished implementations", name=name)
+        if not any(name == w or name.startswith(w + ".") for w in self.WITHHELD if w):
+            return None
+        from importlib.machinery import ModuleSpec
+
+        return ModuleSpec(name, self)
+
+    def create_module(self, spec):
         return None
+
+    def exec_module(self, module):
+        # An ImportError, not ModuleNotFoundError: `from flashcourse import x` would swallow the latter.
+        raise ImportError(f"{module.__name__} is not available while grading: graded code must not use the "
+                          "course's reference, checks or finished implementations", name=module.__name__)
 
 
 def start_shell():
