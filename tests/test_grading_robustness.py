@@ -137,7 +137,7 @@ def _dressed_as_test(base: dict, grade_id: str, before: str | None = None) -> di
     """base with a learner cell carrying test-cell metadata (a new id, or a real test's id placed before it)."""
     nb = copy.deepcopy(base)
     cell = {"cell_type": "code", "id": f"dressed-{grade_id}", "execution_count": None, "outputs": [],
-            "source": IN_THE_GRADER, "metadata": {"nbgrader": {"grade": True, "solution": False, "locked": True,
+            "source": IN_THE_GRADER, "metadata": {"nbgrader": {"grade": True, "solution": False, "locked": False,
                                                                 "grade_id": grade_id, "points": 8,
                                                                 "schema_version": 3}}}
     at = nb["cells"].index(_cell(nb, before)) if before else 2
@@ -184,7 +184,7 @@ CASES = {
     "imports_the_engine_by_parts": ({NOTEBOOK: with_cell(BUGGY, USE_ENGINE, at=LAST)}, WRONG, None),
     "uses_the_reference": ({NOTEBOOK: with_cell(BUGGY, USE_REFERENCE, at=LAST)}, WRONG, None),
     "uses_the_recurrence": ({NOTEBOOK: with_cell(BUGGY, USE_RECURRENCE, at=LAST)}, WRONG, None),
-    "fakes_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "my_own_test")}, WRONG, None),
+    "fakes_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "my_own_test")}, ZERO, "could not be graded"),
     "shadows_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "test_tile_update", before="tile_update")},
                             WRONG, None),
     "forges_a_message": ({NOTEBOOK: with_cell(BUGGY, FORGE_MESSAGE)}, WRONG, "malformed"),
@@ -268,12 +268,13 @@ def test_feedback_never_shows_hidden_tests(graded):
     """Even a notebook that prints IPython's history and searches for the hidden checks shows none of them."""
     _, out, _ = graded
     hidden = (ROOT / "autograder" / "hidden" / "online_softmax.py").read_text()
-    secret = next(line for line in hidden.splitlines() if line.startswith("def test_"))
+    secrets = [line for line in hidden.splitlines() if line.startswith("def test_") or "seed" in line]
+    secrets += ["from autograder.hidden import", "HIDDEN TESTS"]
     pages = list((out / "feedback").rglob("*.html"))
     assert any("shows_hidden_tests" in str(p) for p in pages)
     for page in pages:
         text = page.read_text()
-        assert secret not in text and "autograder.hidden" not in text and "HIDDEN TESTS" not in text, page
+        assert not [s for s in secrets if s in text], page
 
 
 def test_grading_again_gives_the_same_grades(graded, tmp_path):
