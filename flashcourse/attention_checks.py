@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import recurrence, reference
+from . import checks, recurrence, reference
 from .positions import positions
 
 # (rtol, atol) against the float64 reference, per dtype of the inputs. float32 allows for a
@@ -548,8 +548,12 @@ def check_single_query(fn: Callable, cases: Iterable[tuple], rtol: float = 1e-9,
     list of d floats softmax(q k^T / sqrt(d)) v, within rtol/atol of the float64 reference."""
     what = getattr(fn, "__name__", "attention")
     for q, k, v, s, d, tile in cases:
-        got = fn(list(q), list(k), list(v), s, d, tile)
         where = f"{what}(S={s}, d={d}, tile={tile})"
+        try:
+            got = fn(list(q), list(k), list(v), s, d, tile)
+        except OverflowError as error:
+            largest = max(sum(x * y for x, y in zip(q, k[j * d:(j + 1) * d])) / math.sqrt(d) for j in range(s))
+            raise AssertionError(f"{where} raised OverflowError ({error}). {checks.overflow_hint(largest)}") from None
         if not isinstance(got, (list, tuple)) or len(got) != d:
             raise AssertionError(f"{where} should return a list of d = {d} floats, got {got!r:.200}")
         try:

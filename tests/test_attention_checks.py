@@ -134,3 +134,15 @@ def test_single_query_checks():
     over_d = lambda q, k, v, S, d, tile: online_attention_single([x / math.sqrt(d) for x in q], k, v, S, d, tile)  # noqa: E731
     with pytest.raises(AssertionError, match="1/D instead of 1/sqrt"):
         ac.check_single_query(over_d, [(q4, k4, v4, 2, 4, 1)])
+
+
+def test_single_query_overflow_is_named():
+    """A loop that never subtracts the maximum raises OverflowError at scores above 709.78; the check says so."""
+    def unshifted(q, k, v, S, d, tile):
+        w = [math.exp(sum(x * y for x, y in zip(q, k[j * d:(j + 1) * d])) / math.sqrt(d)) for j in range(S)]
+        return [sum(w[j] * v[j * d + e] for j in range(S)) / sum(w) for e in range(d)]
+
+    q, k, v = [2000.0, 0.0], [0.9, 0.0, 1.0, 0.0, -1.0, 0.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    ac.check_single_query(unshifted, [([0.5, 0.0], k, v, 3, 2, 1)])
+    with pytest.raises(AssertionError, match=r"tile=2\) raised OverflowError.*largest score is 1414.21.*709.78"):
+        ac.check_single_query(unshifted, [(q, k, v, 3, 2, 2)])

@@ -119,3 +119,36 @@ def test_hidden_checks_catch_each_bug(bug):
 
     with pytest.raises(AssertionError):
         hidden.test_online_softmax(buggy)
+
+
+def test_edge_cases_name_the_missing_safe_reference_and_the_overflow():
+    """The visible edge cases catch a tile_update without a safe reference (NaN from -inf - -inf) and one
+    that never subtracts the maximum (OverflowError at scores of 1e4), each with its cause."""
+    def no_safe_reference(m, l, a, scores, values):
+        m_new = max(m, *scores)
+        p = [math.exp(s - m_new) for s in scores]
+        return m_new, math.exp(m - m_new) * l + sum(p), math.exp(m - m_new) * a + sum(x * y for x, y in zip(p, values))
+
+    def unshifted(m, l, a, scores, values):
+        m_new = max(m, *scores)
+        if m_new == -math.inf:
+            return m, l, a
+        alpha = math.exp(m) / math.exp(m_new)        # right in exact arithmetic, but exp(1e4) overflows
+        p = [math.exp(s) / math.exp(m_new) for s in scores]
+        return m_new, alpha * l + sum(p), alpha * a + sum(x * y for x, y in zip(p, values))
+
+    checks.check_tile_update_chain(no_safe_reference, *WORKED, tile=2)      # the worked example alone passes
+    with pytest.raises(AssertionError, match=r"exp\(-inf - \(-inf\)\) = NaN"):
+        checks.check_tile_update(no_safe_reference, checks.EDGE_TILES)
+    checks.check_tile_update_chain(unshifted, *WORKED, tile=2)
+    with pytest.raises(AssertionError, match="OverflowError.*709.78.*Subtract the running maximum"):
+        checks.check_tile_update(unshifted, checks.EDGE_TILES)
+    with pytest.raises(AssertionError, match="largest m_i is 10001"):
+        checks.check_merge_states(lambda states: (max(s[0] for s in states), sum(math.exp(s[0]) * s[1] for s in states),
+                                                   sum(math.exp(s[0]) * s[2] for s in states)), checks.EDGE_MERGES[0])
+    for scores, values, tile in checks.EDGE_ROWS:
+        checks.check_tile_update_chain(engine.tile_update, scores, values, tile)
+    checks.check_tile_update(engine.tile_update, checks.EDGE_TILES)
+    checks.check_online_softmax(engine.online_softmax, checks.EDGE_ROWS)
+    for states in checks.EDGE_MERGES:
+        checks.check_merge_states(engine.merge_states, states)
