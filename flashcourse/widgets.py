@@ -11,6 +11,9 @@ Three interactive pictures, each a row of ipywidgets controls over a matplotlib 
                                  which (query block, key block) tiles a causal kernel skips, masks
                                  in part, or runs in full
 
+and one static picture, `state_plot(update=None)`: m, l and a / l after each tile of a longer row,
+drawn with the correct recurrence or with the learner's `tile_update` (which may still be the stub).
+
 The numbers behind the pictures are plain functions (`learner_trace`, `attention_row`,
 `block_classes`, `state_table`), tested against flashcourse.reference.
 
@@ -25,6 +28,7 @@ import base64
 import html
 import io
 import math
+import random
 from typing import Callable, Sequence
 
 import ipywidgets
@@ -389,6 +393,102 @@ def tile_figure(steps: list[recurrence.TileStep], current: int, true_output: flo
     if title:
         fig.suptitle(title, fontsize=11.5, fontweight="bold", y=0.985)
     return fig
+
+
+def _state_row() -> tuple[list[float], list[float]]:
+    """The longer row of 01's state plot: 48 seeded scores (spread 2) and values (spread 1)."""
+    rng = random.Random(0)
+    return [rng.gauss(0.0, 2.0) for _ in range(48)], [rng.gauss(0.0, 1.0) for _ in range(48)]
+
+
+def state_figure(steps: list[recurrence.TileStep], true_output: float,
+                 correct: list[recurrence.TileStep] | None = None, title: str = "") -> Figure:
+    """The running state after each tile: the maximum m, the denominator l, and a / l against the truth.
+
+    `correct` (the correct recurrence's steps) is drawn dashed beside `steps` when these are the
+    learner's; where the two agree the dashed line hides under the solid one.
+    """
+    fig = Figure(figsize=(13, 3.6 if title else 3.4), dpi=_DPI, facecolor="white")
+    grid = fig.add_gridspec(1, 3, left=0.05, right=0.99, top=0.80 if title else 0.88, bottom=0.16, wspace=0.22)
+    tiles = list(range(1, len(steps) + 1))
+    yours = "your tile_update" if correct is not None else None
+    panels = [("running maximum m", lambda s: s.m_new, MAX_NEW),
+              ("denominator l (drops when m rises)", lambda s: s.l_new, CURRENT),
+              ("partial output a / l", lambda s: s.output, OUTPUT)]
+    for column, (label, value, colour) in enumerate(panels):
+        ax = fig.add_subplot(grid[0, column])
+        if correct is not None:
+            ax.step(tiles, [value(s) for s in correct], where="mid", color=TRUTH, linestyle="--", linewidth=1.2,
+                    label="correct recurrence")
+        ax.step(tiles, [value(s) for s in steps], where="mid", color=colour, linewidth=2, label=yours)
+        ax.plot(tiles, [value(s) for s in steps], "o", color=colour, markersize=3.5)
+        if column == 2:
+            ax.axhline(true_output, color=TRUTH, linestyle=":", linewidth=1.2, label=f"true output {_num(true_output)}")
+        if column == 2 or correct is not None:
+            ax.legend(fontsize=8, frameon=False, loc="best")
+        ax.set_title(label, fontsize=10.5)
+        ax.set_xlabel("tiles read", fontsize=9.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _style(ax)
+    if title:
+        fig.suptitle(title, fontsize=11.5, fontweight="bold", y=0.975)
+    return fig
+
+
+class Picture:
+    """A figure that Jupyter shows as a PNG (no pyplot involved); the Figure itself is `.figure`."""
+
+    def __init__(self, figure: Figure, caption: str):
+        self.figure, self.caption = figure, caption
+
+    def _repr_png_(self) -> bytes:
+        return _png(self.figure)
+
+    def __repr__(self) -> str:
+        return f"<picture: {self.caption}>"
+
+
+NOT_WRITTEN = "write tile_update above to see your own recurrence here"
+
+
+def state_plot(update: Callable | None = None, scores: Sequence[float] | None = None,
+               values: Sequence[float] | None = None, tile: int = 6) -> Picture | None:
+    """The running state over a longer row, one point per tile: m, l and the partial output a / l.
+
+    The row defaults to 48 seeded scores and values in tiles of 6. Without `update` the correct
+    recurrence is drawn. Given the learner's `tile_update`, their state is drawn with the correct one
+    dashed beside it and the first tile where they part is named in words. While tile_update is still
+    the exercise's stub (it raises NotImplementedError) this prints NOT_WRITTEN and draws nothing; any
+    other error of the learner's function is printed as well, never raised. Returns what Jupyter shows.
+    """
+    if scores is None and values is None:
+        scores, values = _state_row()
+    scores, values = list(scores), list(values)
+    if len(scores) != len(values) or not scores:
+        raise ValueError("scores and values must be non-empty and of equal length")
+    correct = recurrence.trace(scores, values, tile)
+    true_output = reference.softmax_weighted_sum(scores, values)
+    if update is None:
+        return Picture(state_figure(correct, true_output), "m, l and a / l after each tile")
+    try:
+        steps = learner_trace(update, scores, values, tile)
+    except NotImplementedError:
+        print(NOT_WRITTEN)
+        return None
+    except Exception as error:  # the learner's code: a failure becomes a message, never a crash
+        print(f"your tile_update raised {type(error).__name__}: {error or 'no message'}. "
+              "The test below says more; this picture needs it to run.")
+        return None
+    for step in steps:
+        problem = checks.explain_state((step.m_new, step.l_new, step.a_new), step.m_old, step.l_old, step.a_old,
+                                       step.scores, step.values, f"tile {step.index + 1}")
+        if problem:
+            print(f"Your tile_update leaves the recurrence. {problem}")
+            break
+    else:
+        print(f"Your tile_update matches the recurrence on all {len(steps)} tiles of this row.")
+    title = f"Your tile_update over {len(scores)} scores in tiles of {tile} (the correct one dashed)"
+    return Picture(state_figure(steps, true_output, correct, title), title)
 
 
 def blocks_figure(T: int, S: int, block_m: int, block_n: int, offset: int | None = None,

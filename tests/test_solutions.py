@@ -14,3 +14,26 @@ def test_solution_executes(assignment, tmp_path):
     build.execute(nb, tmp_path, timeout=900)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+
+
+def test_blank_release_of_01_fails_only_in_its_tests(tmp_path):
+    """Run All on the unwritten 01 reaches the explorer; only test cells fail, and the cells that need
+    tile_update say so in words instead of raising."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from autograder.preprocessors import is_test_cell
+    from flashcourse import widgets
+
+    nb = nbformat.read(build.RELEASE / "01_online_softmax" / "01_online_softmax.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    failing = [c.source.split("\n", 1)[0] for c in code if any(o.output_type == "error" for o in c.outputs)
+               and not is_test_cell(c)]
+    assert not failing, f"cells other than tests raise on the blank notebook: {failing}"
+    first_test = next(i for i, c in enumerate(code) if is_test_cell(c))
+    explorer = next(i for i, c in enumerate(code) if "widgets.tile_explorer()" in c.source)
+    assert explorer < first_test, "the explorer must come before the first test, where Run All stops"
+    said = ["".join(o.get("text", "") for o in c.outputs) for c in code if "state_plot(update=tile_update)" in c.source]
+    assert said == [widgets.NOT_WRITTEN + "\n"]

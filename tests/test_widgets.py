@@ -285,3 +285,43 @@ def test_widgets_build_in_a_plain_python_process():
             "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ---- the state plot of 01: the correct recurrence first, then the learner's ------------------
+
+def test_state_plot_draws_the_correct_recurrence_without_an_update():
+    picture = widgets.state_plot()
+    assert picture._repr_png_().startswith(b"\x89PNG\r\n\x1a\n")
+    axes = picture.figure.axes
+    assert [ax.get_title() for ax in axes] == ["running maximum m", "denominator l (drops when m rises)",
+                                               "partial output a / l"]
+    scores, values = widgets._state_row()
+    want = recurrence.trace(scores, values, 6)
+    assert list(axes[2].lines[0].get_ydata()) == pytest.approx([s.output for s in want])
+
+
+def test_state_plot_says_so_while_tile_update_is_the_stub(capsys):
+    def stub(m, l, a, scores, values):
+        raise NotImplementedError()
+
+    assert widgets.state_plot(update=stub) is None
+    assert capsys.readouterr().out.strip() == widgets.NOT_WRITTEN == "write tile_update above to see your own recurrence here"
+
+
+@pytest.mark.parametrize("update, words", [(lambda m, l, a, s, v: 1 / 0, "ZeroDivisionError"),
+                                           (lambda m, l, a, s, v: None, "(m, l, a)")])
+def test_state_plot_prints_other_errors_instead_of_raising(capsys, update, words):
+    assert widgets.state_plot(update=update) is None
+    assert words in capsys.readouterr().out
+
+
+def test_state_plot_names_the_learners_mistake(capsys):
+    def l_not_rescaled(m, l, a, scores, values):
+        s = recurrence.step(m, l, a, scores, values, "l_not_rescaled")
+        return s.m_new, s.l_new, s.a_new
+
+    picture = widgets.state_plot(update=l_not_rescaled)
+    assert "l is not multiplied by alpha" in capsys.readouterr().out
+    assert picture.figure.axes[1].get_legend() is not None           # yours and the correct one, labelled
+    widgets.state_plot(update=engine.tile_update)
+    assert "matches the recurrence on all 8 tiles" in capsys.readouterr().out
