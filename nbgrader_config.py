@@ -64,6 +64,8 @@ c.Autograde.autograde_preprocessors = [
 ]
 
 # Feedback shows what a learner may see: no hidden test source, and errors as one plain message.
+# Markdown and outputs are sanitized: a learner's <script> must not run in whoever opens the page.
+c.HTMLExporter.sanitize_html = True
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
     preprocessors.HideHiddenTests,

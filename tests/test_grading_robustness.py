@@ -145,6 +145,15 @@ def _dressed_as_test(base: dict, grade_id: str, before: str | None = None) -> di
     return nb
 
 
+SCRIPT = "<script>document.title = 'owned'</script><img src=x onerror=\"document.title='owned'\">"
+
+
+def _with_markdown(base: dict, text: str) -> dict:
+    nb = copy.deepcopy(base)
+    nb["cells"].insert(2, {"cell_type": "markdown", "id": "learner-markdown", "metadata": {}, "source": text})
+    return nb
+
+
 LAST = len(BUGGY["cells"]) - 1  # after the learner's own definitions, so a cheat would replace them
 
 # student -> (files in submitted/<student>/01_online_softmax/, expected points, words the summary must hold)
@@ -187,6 +196,9 @@ CASES = {
     "fakes_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "my_own_test")}, ZERO, "could not be graded"),
     "shadows_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "test_tile_update", before="tile_update")},
                             WRONG, None),
+    "scripts_the_feedback": ({NOTEBOOK: _with_markdown(with_cell(BUGGY, f"from IPython.display import HTML\n"
+                                                                     f"display(HTML({SCRIPT!r}))"), SCRIPT)},
+                             WRONG, None),
     "forges_a_message": ({NOTEBOOK: with_cell(BUGGY, FORGE_MESSAGE)}, WRONG, "malformed"),
     "deletes_a_test": ({NOTEBOOK: edited(BUGGY, _drop_test)}, WRONG, None),
     "duplicates_a_test": ({NOTEBOOK: edited(BUGGY, _duplicate_test)}, WRONG, None),
@@ -275,6 +287,13 @@ def test_feedback_never_shows_hidden_tests(graded):
     for page in pages:
         text = page.read_text()
         assert not [s for s in secrets if s in text], page
+
+
+def test_feedback_runs_no_learner_script(graded):
+    """A learner's <script> or event handler, in markdown or in an output, is not in the feedback page."""
+    _, out, _ = graded
+    page = next((out / "feedback" / "scripts_the_feedback").rglob("*.html")).read_text()
+    assert "<script>document.title" not in page and "<img src=x onerror" not in page  # escaped text is fine
 
 
 def test_grading_again_gives_the_same_grades(graded, tmp_path):
