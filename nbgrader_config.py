@@ -37,9 +37,11 @@ c.JailedExecute.timeout = 300
 c.GenerateAssignment.preprocessors = [*GenerateAssignment.class_traits()["preprocessors"].make_dynamic_default(),
                                       preprocessors.MarkGenerated]
 
-# A duplicated grade cell is dropped instead of aborting the notebook.
+# A duplicated grade cell is dropped, and one source/ does not know becomes a plain cell, instead of
+# aborting the notebook.
 c.Autograde.sanitize_preprocessors = [
     "nbgrader.preprocessors.ClearOutput",
+    preprocessors.ForgetUnknownCells,
     preprocessors.DropDuplicateCells,
     "nbgrader.preprocessors.DeduplicateIds",
     "nbgrader.preprocessors.OverwriteKernelspec",
@@ -64,11 +66,11 @@ c.Autograde.autograde_preprocessors = [
 ]
 
 # Feedback shows what a learner may see: no hidden test source, and errors as one plain message.
-# Markdown and outputs are sanitized: a learner's <script> must not run in whoever opens the page.
-c.HTMLExporter.sanitize_html = True
+# The learner's markdown is sanitized: their <script> must not run in whoever opens the page.
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
     preprocessors.HideHiddenTests,
+    preprocessors.SanitizeLearnerMarkdown,
     preprocessors.PlainErrors,
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
 ]

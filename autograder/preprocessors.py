@@ -47,6 +47,21 @@ class HideHiddenTests(ClearHiddenTests):
     """Remove the ### BEGIN/END HIDDEN TESTS region from every cell shown in feedback."""
 
 
+class SanitizeLearnerMarkdown(NbGraderPreprocessor):
+    """Markdown the learner wrote is cleaned before nbgrader's feedback page renders it (its template
+    does not sanitize): a <script> or an event handler shows as text and never runs in whoever opens
+    the page. Markdown identical to a cell of source/ is the instructor's and is kept as it is."""
+
+    def preprocess(self, nb, resources):
+        import bleach
+
+        given = {c.source for c in source_notebook_of(resources).cells if c.cell_type == "markdown"}
+        for cell in nb.cells:
+            if cell.cell_type == "markdown" and cell.source not in given:
+                cell.source = bleach.clean(cell.source)
+        return nb, resources
+
+
 class PlainErrors(NbGraderPreprocessor):
     """Replace each traceback by its last line: the exception and the check's message."""
 
@@ -98,6 +113,20 @@ class DropDuplicateCells(NbGraderPreprocessor):
                 seen.add(grade_id)
             kept.append(cell)
         nb.cells = kept
+        return nb, resources
+
+
+class ForgetUnknownCells(NbGraderPreprocessor):
+    """Make a cell whose grade id source/ does not know a plain cell (nbgrader would reject the whole
+    notebook): a question moved since the learner's release, or a cell dressed up as a grade cell."""
+
+    def preprocess(self, nb, resources):
+        known = {c.metadata.get("nbgrader", {}).get("grade_id") for c in source_notebook_of(resources).cells}
+        for cell in nb.cells:
+            grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if "nbgrader" in cell.metadata and grade_id not in known:
+                del cell.metadata["nbgrader"]
+                self.log.warning("cell %s is not in source/: graded as a plain cell", grade_id)
         return nb, resources
 
 

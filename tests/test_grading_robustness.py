@@ -9,6 +9,7 @@ import copy
 import csv
 import hashlib
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -32,6 +33,13 @@ def _sample(student: str) -> dict:
 
 
 CORRECT, BUGGY = _sample("alt_correct"), _sample("bug_l_not_rescaled")
+# A correct notebook begun from an earlier release: it still holds two question cells since moved to
+# other notebooks, whose grade ids source/ no longer knows.
+OLDER_RELEASE = copy.deepcopy(CORRECT)
+OLDER_RELEASE["cells"].insert(len(CORRECT["cells"]) - 1, {
+    "cell_type": "markdown", "id": "moved-question", "source": "An answer to a question that moved.",
+    "metadata": {"nbgrader": {"grade": True, "solution": True, "locked": False, "grade_id": "q4_decode",
+                              "points": 1, "schema_version": 3}}})
 
 
 def _cell(nb: dict, grade_id: str) -> dict:
@@ -193,7 +201,8 @@ CASES = {
     "imports_the_engine_by_parts": ({NOTEBOOK: with_cell(BUGGY, USE_ENGINE, at=LAST)}, WRONG, None),
     "uses_the_reference": ({NOTEBOOK: with_cell(BUGGY, USE_REFERENCE, at=LAST)}, WRONG, None),
     "uses_the_recurrence": ({NOTEBOOK: with_cell(BUGGY, USE_RECURRENCE, at=LAST)}, WRONG, None),
-    "fakes_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "my_own_test")}, ZERO, "could not be graded"),
+    "fakes_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "my_own_test")}, WRONG, None),
+    "from_an_older_release": ({NOTEBOOK: OLDER_RELEASE}, FULL, None),
     "shadows_a_test_cell": ({NOTEBOOK: _dressed_as_test(BUGGY, "test_tile_update", before="tile_update")},
                             WRONG, None),
     "scripts_the_feedback": ({NOTEBOOK: _with_markdown(with_cell(BUGGY, f"from IPython.display import HTML\n"
@@ -293,7 +302,8 @@ def test_feedback_runs_no_learner_script(graded):
     """A learner's <script> or event handler, in markdown or in an output, is not in the feedback page."""
     _, out, _ = graded
     page = next((out / "feedback" / "scripts_the_feedback").rglob("*.html")).read_text()
-    assert "<script>document.title" not in page and "<img src=x onerror" not in page  # escaped text is fine
+    assert "<script>document.title" not in page  # shown as text (&lt;script&gt;) is fine
+    assert not re.findall(r"<[^>]*onerror[^>]*>", page)
 
 
 def test_grading_again_gives_the_same_grades(graded, tmp_path):
