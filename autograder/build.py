@@ -9,6 +9,11 @@ source/<assignment>/<assignment>.ipynb is the single hand-written notebook of ea
   solution is re-executed only when its source changed, so outputs made on a GPU are kept; with
   --no-execute a changed source's text is carried into the executed solution instead (carry_text);
 - flashcourse/engine/<name>.py collects the solution cells tagged "export", for later chapters.
+
+One cell of source/ is generated too: the set-up cell every notebook starts with (tagged "setup"). On
+Colab it installs the course's package from the one place pyproject.toml names, [project.urls]
+Repository, pinned to the tag of the release the notebook belongs to (v<version>); `build` writes it
+into source/ (setup_cell_source), and `build --check` fails when a notebook's differs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import nbformat
@@ -34,6 +40,20 @@ ENGINE = ROOT / "flashcourse" / "engine"
 EXPORT_TAG = "export"
 SOLUTION_MARKERS = re.compile(r"^\s*### (BEGIN|END) SOLUTION\s*$")
 HIDDEN_TESTS = re.compile(r"^\s*### BEGIN HIDDEN TESTS.*?### END HIDDEN TESTS\s*$\n?", re.S | re.M)
+PYPROJECT = ROOT / "pyproject.toml"
+SETUP_TAG = "setup"
+SETUP_CELL = """\
+# Set-up: run this cell first. On Colab it installs the course's package, release {version}, the one this
+# notebook belongs to; everywhere it decides between a GPU (compiled Triton kernels) and the CPU
+# (Triton's interpreter) and says which.
+import sys
+
+if "google.colab" in sys.modules:
+    %pip install -q "{requirement}"
+
+from flashcourse import runtime
+
+rt = runtime.setup()"""
 
 
 def assignments() -> list[str]:
@@ -48,6 +68,39 @@ def source_notebook(assignment: str) -> Path:
 def engine_module(assignment: str) -> str:
     """01_online_softmax -> online_softmax: the engine module a notebook exports to."""
     return assignment.split("_", 1)[1]
+
+
+def course_requirement() -> str:
+    """What the set-up cell has pip install on Colab: the package from pyproject.toml's [project.urls]
+    Repository, at the git tag of its version, e.g. `flashcourse @ git+https://github.com/o/r@v0.1.0`."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    return f"{project['name']} @ git+{project['urls']['Repository'].rstrip('/')}@v{project['version']}"
+
+
+def setup_cell_source() -> str:
+    """The text of every notebook's set-up cell, generated from pyproject.toml."""
+    version = tomllib.loads(PYPROJECT.read_text())["project"]["version"]
+    return SETUP_CELL.format(version=version, requirement=course_requirement())
+
+
+def setup_cell(nb: nbformat.NotebookNode, name: str) -> nbformat.NotebookNode:
+    """The notebook's set-up cell: its one code cell tagged "setup"."""
+    cells = [c for c in nb.cells if c.cell_type == "code" and SETUP_TAG in c.metadata.get("tags", [])]
+    if len(cells) != 1:
+        raise ValueError(f"{name} has {len(cells)} code cells tagged {SETUP_TAG!r}; it needs one, its set-up cell")
+    return cells[0]
+
+
+def write_setup_cell(assignment: str) -> bool:
+    """Give source/<assignment>'s set-up cell the generated text; True when it changed."""
+    path = source_notebook(assignment)
+    nb = nbformat.read(path, as_version=4)
+    cell = setup_cell(nb, f"source/{assignment}")
+    if cell.source == setup_cell_source():
+        return False
+    cell.source = setup_cell_source()
+    nbformat.write(nb, path)
+    return True
 
 
 def _sha256(path: Path) -> str:
@@ -118,7 +171,8 @@ def carry_text(assignment: str) -> list[str]:
     change of prose or of a test cell. Refused (ValueError) when cells were added, removed or
     reordered, or when a code cell that has outputs changed: that needs executing. Code cells whose
     text changed are listed under the notebook's metadata "not_executed" (ids) until the next
-    execution; they are returned too.
+    execution; they are returned too. The set-up cell is the exception: a set-up cell that becomes the
+    generated one keeps its outputs, since only its Colab line differs and that line runs on Colab alone.
     """
     path = SOLUTIONS / assignment / f"{assignment}.ipynb"
     executed = nbformat.read(path, as_version=4)
@@ -129,7 +183,11 @@ def carry_text(assignment: str) -> list[str]:
     for cell, new in zip(executed.cells, fresh.cells):
         if cell.source == new.source:
             continue
-        if cell.cell_type == "code":
+        if cell.cell_type == "code" and new.source == setup_cell_source() and "runtime.setup()" in cell.source:
+            # A set-up cell regenerated: outside Colab it does what it did (runtime.setup()), so its
+            # output stands.
+            cell.metadata.update(new.metadata)
+        elif cell.cell_type == "code":
             if cell.outputs:
                 raise ValueError(f"solutions/{assignment}: code cell {new.get('id')} changed and has outputs; "
                                  "execute the solution")
@@ -149,6 +207,8 @@ def build(only: list[str] | None = None, execute_solutions: bool = True) -> None
     with tempfile.TemporaryDirectory() as tmp:
         for assignment in only or assignments():
             print(f"build: {assignment}", flush=True)
+            if write_setup_cell(assignment):
+                print(f"build: wrote the set-up cell generated from pyproject.toml into source/{assignment}", flush=True)
             release(assignment, RELEASE, Path(tmp) / "gradebook.db")
             text = engine_source(assignment)
             if text:
@@ -171,6 +231,10 @@ def drift(only: list[str] | None = None) -> list[str]:
     problems = []
     with tempfile.TemporaryDirectory() as tmp:
         for assignment in only or assignments():
+            if setup_cell(nbformat.read(source_notebook(assignment), as_version=4),
+                          f"source/{assignment}").source != setup_cell_source():
+                problems.append(f"source/{assignment}: the set-up cell differs from the one generated from "
+                                "pyproject.toml ([project.urls] Repository, version)")
             fresh = release(assignment, Path(tmp) / "release", Path(tmp) / "gradebook.db")
             committed = RELEASE / assignment / fresh.name
             if not committed.exists() or committed.read_text() != fresh.read_text():
