@@ -8,7 +8,8 @@
 In a notebook: `sweep()` measures flash_attention, torch's scaled_dot_product_attention and the
 unfused causal attention across T (time, TFLOP/s, peak memory) and `plot()` draws it;
 `tf32_errors()` shows what input_precision does to FP32 inputs. Every function here needs a GPU;
-`GPU_NEEDED` is what a notebook prints on a CPU instead.
+`GPU_NEEDED` is what a notebook prints on a CPU instead, beside what was measured on the course's GPU:
+`measured(name)` finds those results, in flashcourse/measured/, installed with the package.
 
 FLOPs of causal attention: two matrix products of 2 T S D operations each, half of them masked
 away, so 2 B H T^2 D (the convention of FlashAttention's papers for causal runs).
@@ -21,11 +22,23 @@ import datetime
 import math
 import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 GPU_NEEDED = ("This measurement needs a CUDA GPU: on a CPU the kernel runs in Triton's interpreter, "
               "whose speed says nothing about the compiled kernel. Skipped.")
+MEASURED = Path(__file__).resolve().parent / "measured"   # results from the course's GPU, package data
+
+
+def measured(name: str) -> Path | None:
+    """flashcourse/measured/<name>, a result measured on the course's GPU and installed with the package;
+    None, and a line that says so, where this copy of the package lacks it."""
+    path = MEASURED / name
+    if path.is_file():
+        return path
+    print(f"The course's measurement {name} is not installed with this copy of flashcourse (looked in {MEASURED}).")
+    return None
 
 # (block_m, block_n, num_warps, num_stages) tried for flash_attention; the best one is reported.
 CONFIGS = [(32, 32, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]

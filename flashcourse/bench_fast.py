@@ -1,6 +1,7 @@
 """The fast kernel of assignment 05 against 04's kernel and torch's SDPA backends, on a CUDA GPU.
 
-    python -m flashcourse.bench_fast --out benchmarks/results/DATE-GPU-fast.md --json FILE.json --png FILE.png
+    python -m flashcourse.bench_fast --out benchmarks/results/DATE-GPU-fast.md \
+        --json flashcourse/measured/fast.json --png flashcourse/measured/fast.png   (what 05 shows on a CPU)
 
 Three measurements, every number from one process:
 
