@@ -1,13 +1,20 @@
-"""Colab: every notebook's set-up cell installs the course from the one place pyproject.toml names, and
-what a notebook reads besides code is installed with the package."""
+"""Colab: every notebook's set-up cell installs the course from the one place pyproject.toml names,
+and a notebook run the way Colab runs it (a fresh environment without the package, the set-up cell
+installing it) passes its visible tests."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import tomllib
+from importlib import metadata
+from pathlib import Path
 
 import nbformat
 import pytest
+from packaging.requirements import Requirement
 
 from autograder import build
 from conftest import ROOT
@@ -112,3 +119,131 @@ def test_measured_results_are_found_or_said_missing(capsys):
     assert "steps" in json.loads(bench.measured("fast.json").read_text())
     assert bench.measured("nothing.json") is None
     assert "nothing.json is not installed" in capsys.readouterr().out
+
+
+# --- Colab, simulated -------------------------------------------------------------------------------
+#
+# Colab's runtime has torch, triton, matplotlib, ipywidgets, nbclient and IPython's kernel installed,
+# imports google.colab when its kernel starts, and runs notebooks in /content. The simulation builds a
+# fresh virtual environment without flashcourse whose only other packages are those (flashcourse's
+# dependencies and the kernel's, with everything they need, taken from this environment's site-packages:
+# no network), a google.colab stand-in imported at the kernel's start, and a wheel of flashcourse built
+# from this checkout. The notebook's set-up cell, unchanged but for the requirement it installs (the
+# wheel instead of the git tag), installs the package with pip; then every cell must run.
+
+
+def _closure(names):
+    """The installed distributions `names` need, recursively (extras and other platforms' markers left out)."""
+    seen, todo = {}, list(names)
+    while todo:
+        name = metadata.distribution(todo.pop()).metadata["Name"]
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        dist = seen[key] = metadata.distribution(name)
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                try:
+                    metadata.distribution(req.name)
+                except metadata.PackageNotFoundError:
+                    continue
+                todo.append(req.name)
+    return seen.values()
+
+
+def _preinstalled(folder: Path) -> Path:
+    """A folder of links to the files of flashcourse's dependencies and IPython's kernel: what Colab has."""
+    roots = [Requirement(r).name for r in PROJECT["dependencies"]] + ["ipykernel"]
+    folder.mkdir()
+    for dist in _closure(roots):
+        site = Path(dist.locate_file(""))
+        for top in {file.parts[0] for file in dist.files or []}:
+            if top != ".." and not top.endswith(".pth") and (site / top).exists() and not (folder / top).exists():
+                (folder / top).symlink_to(site / top)
+    assert not list(folder.glob("flashcourse*")), "flashcourse is no dependency of itself"
+    return folder
+
+
+def _wheel(out: Path) -> Path:
+    """flashcourse as pip would build it from the repository at the release's tag: from this checkout."""
+    tree = out / "checkout"
+    shutil.copytree(ROOT / "flashcourse", tree / "flashcourse", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tree / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--wheel-dir", str(out / "dist"), str(tree)], check=True, cwd=out)
+    (wheel,) = (out / "dist").glob("flashcourse-*.whl")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def colab_parts(tmp_path_factory):
+    """What every simulated Colab session shares: the preinstalled packages and the course's wheel."""
+    out = tmp_path_factory.mktemp("colab")
+    return _preinstalled(out / "preinstalled"), _wheel(out)
+
+
+def _colab_runtime(root: Path, preinstalled: Path) -> dict:
+    """A fresh virtual environment as Colab's runtime: returns the kernel's environment variables."""
+    subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True)
+    python = root / "venv" / "bin" / "python"
+    # venv's own setuptools (Python 3.11 adds an old one) would hide the preinstalled one torch needs.
+    subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", "setuptools"], check=True)
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    (site / "colab_preinstalled.pth").write_text(f"{preinstalled}\n")
+    colab = site / "google" / "colab"          # a namespace package `google`, as Colab's
+    colab.mkdir(parents=True)
+    (colab / "__init__.py").write_text('"""A stand-in for Colab\'s google.colab."""\n')
+    (colab / "output.py").write_text("enabled = []\n\n\ndef enable_custom_widget_manager():\n    enabled.append(True)\n")
+    startup = root / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-colab.py").write_text("import google.colab  # Colab's kernel imports it as it starts\n")
+    kernels = root / "jupyter" / "kernels" / "colab"
+    kernels.mkdir(parents=True)
+    (kernels / "kernel.json").write_text(json.dumps({
+        "argv": [str(python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Colab, simulated", "language": "python"}))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "MPLBACKEND")}
+    env.update(IPYTHONDIR=str(root / "ipython"), COLAB_RELEASE_TAG="simulated", PIP_NO_INDEX="1",
+               PIP_DISABLE_PIP_VERSION_CHECK="1")
+    absent = subprocess.run([str(python), "-c", "import flashcourse"], cwd=root, env=env, capture_output=True)
+    assert absent.returncode != 0, "the fresh environment already has flashcourse: the simulation proves nothing"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_a_notebook_runs_on_colab(assignment, colab_parts, tmp_path, monkeypatch):
+    """On a fresh Colab-like runtime the set-up cell installs the course (pip, from a local build of the
+    package) and the notebook's solution runs top to bottom: every visible test passes."""
+    from nbclient import NotebookClient
+
+    preinstalled, wheel = colab_parts
+    env = _colab_runtime(tmp_path, preinstalled)
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join([str(tmp_path / "jupyter"), os.environ.get("JUPYTER_PATH", "")]))
+    nb = nbformat.read(build.SOLUTIONS / assignment / f"{assignment}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    setup = build.setup_cell(nb, f"solutions/{assignment}")
+    assert setup.source == build.setup_cell_source()
+    assert setup.source.count(build.course_requirement()) == 1
+    setup.source = setup.source.replace(build.course_requirement(), str(wheel))   # the tag's build, made here
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "import json, flashcourse, google.colab.output\n"
+        "from flashcourse import bench\n"
+        "print(json.dumps({'file': flashcourse.__file__, 'colab': rt.colab,\n"
+        "                  'widget_manager': google.colab.output.enabled,\n"
+        "                  'measured': [str(bench.measured(n)) for n in ('fast.json', 'fast.png')]}))"))
+    content = tmp_path / "content"
+    content.mkdir()
+    NotebookClient(nb, timeout=600, kernel_name="colab", resources={"metadata": {"path": str(content)}}).execute(env=env)
+
+    report = json.loads(nb.cells[-1].outputs[-1]["text"].splitlines()[-1])
+    installed = (tmp_path / "venv" / "lib").resolve()
+    assert Path(report["file"]).resolve().is_relative_to(installed), f"flashcourse imported from {report['file']}"
+    assert report["colab"] and report["widget_manager"] == [True], "runtime.setup() did not see Colab"
+    assert all(Path(p).is_file() and Path(p).resolve().is_relative_to(installed) for p in report["measured"]), \
+        f"the installed package lacks its measurements (package data): {report['measured']}"
