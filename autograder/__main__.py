@@ -42,8 +42,9 @@ def main() -> int:
     submissions = SAMPLES if args.command == "demo" else args.submissions
     # The samples are the course's own notebooks: the demo may run them without a jail, and says so.
     trusted = args.command == "demo" or args.trusted
-    if trusted and jail.why_no_jail():
-        print(f"Grading {submissions} as TRUSTED notebooks, without a jail: {jail.why_no_jail()}\n")
+    no_jail = jail.why_no_jail()
+    if trusted and no_jail:
+        print(f"Grading {submissions} as TRUSTED notebooks, without a jail: {no_jail}\n")
     try:
         outcomes = grade.grade(submissions, args.out, jobs=args.jobs, trusted=trusted)
     except jail.NoJail as refused:

@@ -187,18 +187,18 @@ def _set_limits(limits: Limits, gpu: bool):
     return apply
 
 
-def _may_prlimit(pid: int) -> bool:
+def _limits_of(pid: int) -> dict | None:
+    """pid's address-space and process limits, or None where this process may not use prlimit(2) on it."""
     try:
-        resource.prlimit(pid, resource.RLIMIT_AS)
-        return True
+        return {kind: resource.prlimit(pid, kind) for kind in (resource.RLIMIT_AS, resource.RLIMIT_NPROC)}
     except PermissionError:
-        return False
+        return None
 
 
-def _lower_limits(pid: int, address_space: int, processes: int) -> None:
+def _lower_limits(pid: int, address_space: int, processes: int, direct: bool) -> None:
     """Lower pid's hard limits. prlimit(2) on another uid's process needs CAP_SYS_RESOURCE, which root
     lacks in some containers; a process of the jail's own uid may always lower them, so root lends one."""
-    if _may_prlimit(pid):
+    if direct:
         resource.prlimit(pid, resource.RLIMIT_AS, (address_space, address_space))
         resource.prlimit(pid, resource.RLIMIT_NPROC, (processes, processes))
         return
@@ -320,9 +320,8 @@ class Jail:
         and `spent` becomes True: the kernel should then be replaced before more of the notebook runs.
         """
         stopped: set[int] = set()
-        old = {kind: resource.prlimit(self.pid, kind) for kind in (resource.RLIMIT_AS, resource.RLIMIT_NPROC)} \
-            if _may_prlimit(self.pid) else {}
-        _lower_limits(self.pid, address_space, processes=0)
+        old = _limits_of(self.pid)
+        _lower_limits(self.pid, address_space, processes=0, direct=old is not None)
         while True:  # until no process escaped the stop by being born during it
             fresh = set(self.others()) - stopped
             if not fresh:
@@ -335,9 +334,9 @@ class Jail:
             yield
         finally:
             try:
-                for kind, value in old.items():
+                for kind, value in (old or {}).items():
                     resource.prlimit(self.pid, kind, value)
-                self.spent = not old
+                self.spent = old is None
             except (PermissionError, ProcessLookupError):
                 self.spent = True
             for pid in stopped:
