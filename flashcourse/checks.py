@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 from . import recurrence, reference
 
-# The chapter's worked example: one query, two tiles of two.
+# 01's worked example: one query, two tiles of two.
 WORKED_SCORES = [0.0, 1.0, 2.0, -1.0]
 WORKED_VALUES = [2.0, 4.0, 1.0, 3.0]
 WORKED_TILE = 2

@@ -43,6 +43,10 @@ class TileStep:
     p: tuple[float, ...]
     l_new: float
     a_new: float
+    # l_old and a_old as this code rescaled them before adding the tile's terms (alpha times each when
+    # correct, unchanged where a bug skips alpha); None where unknown, for a function seen only from outside.
+    l_rescaled: float | None = None
+    a_rescaled: float | None = None
 
     @property
     def output(self) -> float:
@@ -66,13 +70,15 @@ def step(m: float, l: float, a: float, scores: Sequence[float], values: Sequence
     tile_l = math.fsum(p)
     tile_a = math.fsum(pj * vj for pj, vj in zip(p, values))
     if bug == "per_tile_softmax":
-        # Normalize the tile by itself and add it on, as if each tile were its own softmax.
+        # Normalize the tile by itself and add it on, as if each tile were its own softmax: nothing is rescaled.
+        l_rescaled, a_rescaled = l, a
         l_new = l + (1.0 if tile_l else 0.0)
         a_new = a + (tile_a / tile_l if tile_l else 0.0)
     else:
-        l_new = (l if bug == "l_not_rescaled" else alpha * l) + tile_l
-        a_new = (a if bug == "a_not_rescaled" else alpha * a) + tile_a
-    return TileStep(index, tuple(scores), tuple(values), m, l, a, m_new, alpha, p, l_new, a_new)
+        l_rescaled = l if bug == "l_not_rescaled" else alpha * l
+        a_rescaled = a if bug == "a_not_rescaled" else alpha * a
+        l_new, a_new = l_rescaled + tile_l, a_rescaled + tile_a
+    return TileStep(index, tuple(scores), tuple(values), m, l, a, m_new, alpha, p, l_new, a_new, l_rescaled, a_rescaled)
 
 
 def trace(scores: Sequence[float], values: Sequence[float], tile: int, bug: str | None = None) -> list[TileStep]:

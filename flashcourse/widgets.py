@@ -58,11 +58,12 @@ BLOCK_WORDS = {SKIP: "skipped", PARTIAL: "masked in part", FULL: "run in full"}
 BUG_NAMES = {"l_not_rescaled": "l not rescaled", "a_not_rescaled": "a not rescaled",
              "per_tile_softmax": "per-tile softmax"}
 
-WORKED_SCORES = (0.0, 1.0, 2.0, -1.0)
-WORKED_VALUES = (2.0, 4.0, 1.0, 3.0)
+WORKED_SCORES = tuple(checks.WORKED_SCORES)
+WORKED_VALUES = tuple(checks.WORKED_VALUES)
 
 _DPI = 120                # the PNG's pixels per figure inch
 _SHOWN_WIDTH = 860        # CSS pixels the picture is shown at
+_VALUES_SHOWN = 12        # rows up to this many scores show each value under its score
 _LEARNER = "yours"        # the recurrence selector's value for the learner's own tile_update
 _CORRECT = "correct"      # and for the correct recurrence (a Dropdown takes a value of None for no choice)
 
@@ -159,6 +160,11 @@ def _num(x: float) -> str:
     return text.replace("-", "−")
 
 
+def _short(x: float) -> str:
+    """A value under its score: whole numbers as they are, others to two decimals."""
+    return _num(x) if not math.isfinite(x) or x == int(x) else f"{x:.2f}".replace("-", "−")
+
+
 def _nums(xs: Sequence[float]) -> str:
     return "[" + ", ".join(_num(x) for x in xs) + "]"
 
@@ -192,8 +198,8 @@ def state_table(step: recurrence.TileStep, n_tiles: int, true_output: float,
                 correct: recurrence.TileStep | None = None, note: str = "") -> str:
     """The numeric panel for one tile, as HTML.
 
-    Every value sits in a cell with a stable class: fc-scores, fc-m-old, fc-m, fc-alpha, fc-p,
-    fc-l-old, fc-l-rescaled, fc-l, fc-a-old, fc-a-rescaled, fc-a, fc-output-old, fc-output and
+    Every value sits in a cell with a stable class: fc-scores, fc-m-old, fc-m, fc-alpha, fc-p, fc-values,
+    fc-pv, fc-l-old, fc-l-rescaled, fc-l, fc-a-old, fc-a-rescaled, fc-a, fc-output-old, fc-output and
     fc-true; given the correct recurrence's step, also fc-want-m, fc-want-l, fc-want-a and
     fc-want-output, and the cells that differ from it get fc-wrong.
     """
@@ -205,6 +211,10 @@ def state_table(step: recurrence.TileStep, n_tiles: int, true_output: float,
 
     def wide(cls: str, text: str) -> str:
         return f'<td class="{cls} fc-wide" colspan="3">{html.escape(text)}</td>' + ("<td></td>" if compare else "")
+
+    def rescaled(cls: str, x: float | None) -> str:
+        """The × α column: what the code shown did to the old value; empty where that is not seen."""
+        return "<td></td>" if x is None else num(cls, x)
 
     def want(cls: str, x: float) -> str:
         return f'<td class="fc-want {cls}">{html.escape(_num(x))}</td>' if compare else ""
@@ -220,10 +230,12 @@ def state_table(step: recurrence.TileStep, n_tiles: int, true_output: float,
             + num("fc-m", step.m_new, c.m_new if compare else None) + want("fc-want-m", c.m_new)),
         row(f"α = exp({m}<sub>old</sub> − {m}<sub>new</sub>)", wide("fc-alpha", _num(step.alpha))),
         row(f"<i>p</i> = exp({s} − {m}<sub>new</sub>)", wide("fc-p", _nums(step.p))),
-        row("<i>l</i> = α·<i>l</i> + Σ<i>p</i>", num("fc-l-old", step.l_old) + num("fc-l-rescaled", step.alpha * step.l_old)
+        row("tile values <i>v</i>", wide("fc-values", _nums(step.values))),
+        row("<i>p</i>·<i>v</i>", wide("fc-pv", _nums([pj * vj for pj, vj in zip(step.p, step.values)]))),
+        row("<i>l</i> = α·<i>l</i> + Σ<i>p</i>", num("fc-l-old", step.l_old) + rescaled("fc-l-rescaled", step.l_rescaled)
             + num("fc-l", step.l_new, c.l_new if compare else None) + want("fc-want-l", c.l_new)),
         row("<i>a</i> = α·<i>a</i> + Σ<i>p</i>·<i>v</i>", num("fc-a-old", step.a_old)
-            + num("fc-a-rescaled", step.alpha * step.a_old)
+            + rescaled("fc-a-rescaled", step.a_rescaled)
             + num("fc-a", step.a_new, c.a_new if compare else None) + want("fc-want-a", c.a_new)),
         row("partial output <i>a</i> / <i>l</i>", num("fc-output-old", _ratio(step.a_old, step.l_old)) + "<td></td>"
             + num("fc-output", step.output, c.output if compare else None) + want("fc-want-output", c.output),
@@ -260,43 +272,49 @@ def _style(ax) -> None:
     ax.set_axisbelow(True)
 
 
-def _state_bars(ax, label: str, step: recurrence.TileStep, old: float, new: float,
+def _state_bars(ax, label: str, step: recurrence.TileStep, old: float, rescaled: float | None, new: float,
                 correct_new: float | None) -> None:
     """One statistic around the step, as a waterfall: before, times alpha, plus this tile, after.
 
-    Given the correct value (a bug or the learner's update is shown), the tile's own part is left
-    out, and a last bar that differs is red with the correct one outlined over it.
+    `rescaled` is the old value as the code shown rescaled it (unchanged where a bug skips alpha, so the
+    × α bar shows what the buggy code did); None where the inside of the code is not seen (the
+    learner's function): then only before and after are drawn. Given the correct value, an after bar
+    that differs is red with the correct one outlined over it.
     """
-    rescaled = step.alpha * old
-    labels, xs = ["before", "× α", "+ tile", "after"], [0, 1, 2, 3]
-    ax.bar([0, 1], [old, rescaled], color=[MAX_OLD, RESCALED], width=0.62)
-    shown = [(0, old), (1, rescaled)]
-    if correct_new is None:
-        ax.bar([2], [new - rescaled], bottom=[rescaled], color=CURRENT, width=0.62)
+    wrong = correct_new is not None and _differs(new, correct_new)
+    if rescaled is None:
+        labels, bars = ["before", "after"], [(old, MAX_OLD), (new, MAX_NEW if wrong else READ)]
+    else:
+        skipped = rescaled == old and step.alpha != 1.0 and old != 0.0
+        labels = ["before", "not × α" if skipped else "× α", "+ tile", "after"]
+        bars = [(old, MAX_OLD), (rescaled, MAX_NEW if skipped else RESCALED), (new, MAX_NEW if wrong else READ)]
+    xs = list(range(len(labels)))
+    last = xs[-1]
+    for x, (height, colour) in zip([0, 1, last] if rescaled is not None else xs, bars):
+        ax.bar([x], [height], color=colour, width=0.62)
+        ax.annotate(_num(height), (x, height), xytext=(0, 3 if height >= 0 else -3), textcoords="offset points",
+                    ha="center", va="bottom" if height >= 0 else "top", fontsize=8.5)
+    if rescaled is not None:
+        # The tile's own terms, floating from the rescaled value up (or down) to the new one.
+        tile_part = new - rescaled
+        ax.bar([2], [tile_part], bottom=[rescaled], color=CURRENT, width=0.62)
         ax.plot([0.69, 1.31], [rescaled, rescaled], color="#999999", linewidth=0.8)
         ax.plot([1.69, 2.31], [new, new], color="#999999", linewidth=0.8)
-        ax.bar([3], [new], color=READ, width=0.62)
-        shown += [(2, new), (3, new)]
-        tile_part = new - rescaled
-    else:
-        labels, xs = ["before", "× α", "after"], [0, 1, 2]
-        wrong = _differs(new, correct_new)
-        ax.bar([2], [new], color=MAX_NEW if wrong else READ, width=0.62)
-        shown.append((2, new))
-        if wrong:
-            ax.bar([2], [correct_new], width=0.62, fill=False, edgecolor=OUTPUT, linewidth=2, linestyle="--",
-                   label=f"correct {_num(correct_new)}")
-            ax.legend(fontsize=8, frameon=False, loc="upper left")
-    for x, h in shown:
-        text = (("+" if tile_part >= 0 else "") + _num(tile_part)) if (x == 2 and correct_new is None) else _num(h)
-        up = h >= 0 if x != 2 or correct_new is not None else tile_part >= 0 or h >= 0
-        ax.annotate(text, (x, h if up else min(h, rescaled)), xytext=(0, 3 if up else -3), textcoords="offset points",
-                    ha="center", va="bottom" if up else "top", fontsize=8.5)
+        top = max(new, rescaled)
+        ax.annotate(("+" if tile_part >= 0 else "") + _num(tile_part), (2, top), xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8.5)
+    if wrong:
+        ax.bar([last], [correct_new], width=0.62, fill=False, edgecolor=OUTPUT, linewidth=2, linestyle="--",
+               label=f"correct {_num(correct_new)}")
+        ax.legend(fontsize=8, frameon=False, loc="upper left")
     ax.set_xticks(xs, labels, fontsize=9)
+    for tick, text in zip(ax.get_xticklabels(), labels):
+        if text == "not × α":
+            tick.set_color(MAX_NEW)
     ax.axhline(0, color="#999999", linewidth=0.8)
     ax.set_title(label, fontsize=10.5)
-    values = [0.0, old, rescaled, new, correct_new or 0.0]
-    top, bottom = max(values), min(values)
+    heights = [0.0, old, new, rescaled or 0.0, correct_new or 0.0]
+    top, bottom = max(heights), min(heights)
     pad = 0.3 * (top - bottom or 1.0)
     ax.set_ylim(bottom - (pad if bottom < 0 else 0), top + pad)
     _style(ax)
@@ -305,18 +323,22 @@ def _state_bars(ax, label: str, step: recurrence.TileStep, old: float, new: floa
 def tile_figure(steps: list[recurrence.TileStep], current: int, true_output: float,
                 correct: list[recurrence.TileStep] | None = None, title: str = "",
                 status: tuple[str, str] = ("correct recurrence", OUTPUT), x_label: str = "score index j") -> Figure:
-    """The picture of one step: the row with its tiles and maxima, l and a around the step, a / l so far.
+    """The picture of one step: the row with its tiles, maxima and values, l and a around the step, a / l so far.
 
     `correct` (the correct recurrence's steps) is drawn beside `steps` when they come from a bug or
-    from the learner's tile_update; `status` is a short label and its colour for the top right.
+    from the learner's tile_update; `status` is one line saying what is drawn, and its colour, shown
+    in full under the title.
     """
     step = steps[current]
     tile = len(steps[0].scores)
     scores = [x for s in steps for x in s.scores]
+    values = [x for s in steps for x in s.values]
     # Fixed margins rather than a layout engine: a slider redraws this figure, and must be quick.
-    fig = Figure(figsize=(8.6, 5.7), dpi=_DPI, facecolor="white")
-    top = fig.add_gridspec(1, 1, left=0.075, right=0.80, top=0.885 if title else 0.92, bottom=0.56)
-    grid = fig.add_gridspec(1, 3, left=0.075, right=0.985, top=0.40, bottom=0.075, wspace=0.32)
+    fig = Figure(figsize=(8.6, 6.0), dpi=_DPI, facecolor="white")
+    fig.text(0.5, 0.935 if title else 0.975, status[0], ha="center", va="top", fontsize=10, fontweight="bold",
+             color=status[1])
+    top = fig.add_gridspec(1, 1, left=0.075, right=0.80, top=0.845 if title else 0.885, bottom=0.565)
+    grid = fig.add_gridspec(1, 3, left=0.075, right=0.985, top=0.365, bottom=0.07, wspace=0.32)
     ax = fig.add_subplot(top[0, 0])
 
     # The row of scores as stems from 0, coloured by tile: read earlier, this tile, not read yet.
@@ -351,7 +373,12 @@ def tile_figure(steps: list[recurrence.TileStep], current: int, true_output: flo
                             bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
     ax.set_ylim(low - 0.16 * span, high + 0.38 * span)
     ax.set_xlim(-0.6, len(scores) - 0.4)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(scores) <= _VALUES_SHOWN:
+        # Each score's value under its index, so that a's "+ tile" bar can be checked by eye: sum of p * v.
+        ax.set_xticks(range(len(scores)), [f"{j}\nv = {_short(v)}" for j, v in enumerate(values)])
+        x_label = f"{x_label}, and its value v"
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(x_label, fontsize=9.5)
     ax.set_ylabel("score", fontsize=9.5)
     handles = [Patch(color=READ, label="read earlier"), Patch(color=CURRENT, label="this tile"),
@@ -360,18 +387,16 @@ def tile_figure(steps: list[recurrence.TileStep], current: int, true_output: flo
                Line2D([], [], color=MAX_NEW, label=f"m_new = {_num(step.m_new)}")]
     if masked:
         handles.append(Line2D([], [], marker="x", linestyle="", color="#777777", label="masked (−∞)"))
-    legend = ax.legend(handles=handles, fontsize=8.5, loc="upper left", bbox_to_anchor=(1.01, 1.03), frameon=False,
-                       title=status[0], title_fontproperties={"weight": "bold", "size": 9.5}, alignment="left")
-    legend.get_title().set_color(status[1])
+    ax.legend(handles=handles, fontsize=8.5, loc="upper left", bbox_to_anchor=(1.01, 1.03), frameon=False)
     _style(ax)
     ax.set_title(f"Tile {current + 1} of {len(steps)}:  m {_num(step.m_old)} → {_num(step.m_new)},   "
                  f"α = exp(m_old − m_new) = {_num(step.alpha)}", fontsize=10.5)
 
     want = correct[current] if correct is not None else None
-    _state_bars(fig.add_subplot(grid[0, 0]), "l, the denominator", step, step.l_old, step.l_new,
+    _state_bars(fig.add_subplot(grid[0, 0]), "l, the denominator", step, step.l_old, step.l_rescaled, step.l_new,
                 want.l_new if want else None)
-    _state_bars(fig.add_subplot(grid[0, 1]), "a, the unnormalized output", step, step.a_old, step.a_new,
-                want.a_new if want else None)
+    _state_bars(fig.add_subplot(grid[0, 1]), "a, the unnormalized output", step, step.a_old, step.a_rescaled,
+                step.a_new, want.a_new if want else None)
 
     # The partial output after each tile, against the true output.
     ax = fig.add_subplot(grid[0, 2])
@@ -451,16 +476,19 @@ class Picture:
 NOT_WRITTEN = "write tile_update above to see your own recurrence here"
 
 
-def state_plot(update: Callable | None = None, scores: Sequence[float] | None = None,
+def state_plot(update: Callable | str | None = None, scores: Sequence[float] | None = None,
                values: Sequence[float] | None = None, tile: int = 6) -> Picture | None:
     """The running state over a longer row, one point per tile: m, l and the partial output a / l.
 
     The row defaults to 48 seeded scores and values in tiles of 6. Without `update` the correct
-    recurrence is drawn. Given the learner's `tile_update`, their state is drawn with the correct one
-    dashed beside it and the first tile where they part is named in words. While tile_update is still
-    the exercise's stub (it raises NotImplementedError) this prints NOT_WRITTEN and draws nothing; any
-    other error of the learner's function is printed as well, never raised. Returns what Jupyter shows.
+    recurrence is drawn. Given the learner's `tile_update` (or its name, "tile_update", looked up in
+    the notebook when the picture is drawn, so that the cell also runs before the function's cell
+    has), their state is drawn with the correct one dashed beside it and the first tile where they
+    part is named in words. While tile_update is not defined yet, or still the exercise's stub (it
+    raises NotImplementedError), this prints what to do (NOT_WRITTEN) and draws nothing; any other
+    error of the learner's function is printed as well, never raised. Returns what Jupyter shows.
     """
+    update = _learner(update)
     if scores is None and values is None:
         scores, values = _state_row()
     scores, values = list(scores), list(values)
@@ -472,6 +500,9 @@ def state_plot(update: Callable | None = None, scores: Sequence[float] | None = 
         return Picture(state_figure(correct, true_output), "m, l and a / l after each tile")
     try:
         steps = learner_trace(update, scores, values, tile)
+    except NotDefinedYet as error:
+        print(f"{error} (Exercise 1's cell); then run this cell again.")
+        return None
     except NotImplementedError:
         print(NOT_WRITTEN)
         return None
@@ -479,14 +510,11 @@ def state_plot(update: Callable | None = None, scores: Sequence[float] | None = 
         print(f"your tile_update raised {type(error).__name__}: {error or 'no message'}. "
               "The test below says more; this picture needs it to run.")
         return None
-    for step in steps:
-        problem = checks.explain_state((step.m_new, step.l_new, step.a_new), step.m_old, step.l_old, step.a_old,
-                                       step.scores, step.values, f"tile {step.index + 1}")
-        if problem:
-            print(f"Your tile_update leaves the recurrence. {problem}")
-            break
-    else:
+    first, problem = _first_difference(steps)
+    if first is None:
         print(f"Your tile_update matches the recurrence on all {len(steps)} tiles of this row.")
+    else:
+        print(f"Your tile_update leaves the recurrence. {problem}")
     title = f"Your tile_update over {len(scores)} scores in tiles of {tile} (the correct one dashed)"
     return Picture(state_figure(steps, true_output, correct, title), title)
 
@@ -539,7 +567,7 @@ class Explorer(ipywidgets.VBox):
     """Controls over a picture and a numeric panel, redrawn whenever a control moves.
 
     `controls` maps names to widgets (the tests set their .value); `picture` is an Image widget
-    holding the current PNG and `panel` an HTML widget. Displayed, it carries the current PNG as
+    holding the current PNG (of `figure`) and `panel` an HTML widget. Displayed, it carries the current PNG as
     well, for frontends that cannot run widgets.
     """
 
@@ -568,6 +596,7 @@ class Explorer(ipywidgets.VBox):
             fig, panel = self._render()
         finally:
             self._drawing = False
+        self.figure = fig              # the picture as a Figure, for tests and for saving
         self.picture.value = _png(fig)
         self.panel.value = panel
 
@@ -587,6 +616,9 @@ def _row_explorer(rows: Callable[[int], tuple[list[float], list[float]]], n_rows
                   update: Callable | None, title: Callable[[int], str], x_label: str,
                   extra_controls: dict | None = None) -> Explorer:
     """The explorer over rows(row) -> (scores, values); one row unless n_rows > 1."""
+    # A function given by name is looked up at every redraw: a slider move picks up a newly run cell.
+    again = "move a slider here" if isinstance(update, str) else "run this cell again"
+    update = _learner(update)
     length = len(rows(0)[0])
     options = [(f"bug: {BUG_NAMES[bug]} ({recurrence.BUGS[bug]})", bug) if bug else ("correct recurrence", _CORRECT)
                for bug in recurrence.BUGS]
@@ -619,19 +651,23 @@ def _row_explorer(rows: Callable[[int], tuple[list[float], list[float]]], n_rows
             try:
                 steps = learner_trace(update, scores, values, size)
             except Exception as error:  # the learner's code: any failure becomes a message, never a crash
-                kind = "is not written yet" if isinstance(error, NotImplementedError) else "raised an error"
-                note = (f'<b style="color:{MAX_NEW};">Your tile_update {kind}</b> '
+                steps, status = correct, (f"{_failure(error)}: showing the correct recurrence", MAX_NEW)
+                note = (f'<b style="color:{MAX_NEW};">{html.escape(_failure(error))}</b> '
                         f"({html.escape(type(error).__name__)}: {html.escape(str(error)) or 'no message'}). "
-                        "Write it in Exercise 1 and run this cell again; meanwhile the picture shows the "
-                        "correct recurrence.")
-                steps, status = correct, ("your tile_update failed:\nshowing the correct\nrecurrence", MAX_NEW)
+                        f"Write or fix tile_update in Exercise 1, run its cell, then {again}. Meanwhile the "
+                        "picture shows the correct recurrence.")
             else:
-                note = _learner_note(steps, len(scores), size)
-                right = not any(_differs(x, y) for s, c in zip(steps, correct)
-                                for x, y in ((s.m_new, c.m_new), (s.l_new, c.l_new), (s.a_new, c.a_new)))
-                # A learner's trace that is right is drawn as the correct one is; a wrong one beside it.
-                compare = None if right else correct
-                status = ("your tile_update", OUTPUT if right else MAX_NEW)
+                first, problem = _first_difference(steps)
+                if first is None:
+                    # Right to within the checks' tolerance: drawn as the correct recurrence is, with its × α bars.
+                    steps, status = correct, ("your tile_update: it matches the recurrence", OUTPUT)
+                    note = (f'<b style="color:#2F6F3E;">Your tile_update matches the recurrence</b> on all '
+                            f"{n_tiles} tiles of this row ({len(scores)} scores, tiles of {size}).")
+                else:
+                    compare = correct
+                    status = (f"your tile_update: it differs from the recurrence at tile {first + 1}", MAX_NEW)
+                    note = (f'<b style="color:{MAX_NEW};">Your tile_update leaves the recurrence.</b> '
+                            f"{html.escape(problem)}")
         elif choice != _CORRECT:
             steps, compare = recurrence.trace(scores, values, size, choice), correct
             note = (f'<b style="color:{MAX_NEW};">Injected bug:</b> {html.escape(recurrence.BUGS[choice])}. '
@@ -645,25 +681,64 @@ def _row_explorer(rows: Callable[[int], tuple[list[float], list[float]]], n_rows
     return Explorer(controls, render, extra=[play])
 
 
-def _learner_note(steps, length: int, size: int) -> str:
-    """Where the learner's trace first leaves the recurrence, in the checks' words."""
+def _first_difference(steps: list[recurrence.TileStep]) -> tuple[int | None, str]:
+    """The first tile where the learner's trace leaves the recurrence, and the checks' words for it."""
     for step in steps:
         problem = checks.explain_state((step.m_new, step.l_new, step.a_new), step.m_old, step.l_old, step.a_old,
                                        step.scores, step.values, f"tile {step.index + 1}")
         if problem:
-            return f'<b style="color:{MAX_NEW};">Your tile_update leaves the recurrence.</b> {html.escape(problem)}'
-    return (f'<b style="color:#2F6F3E;">Your tile_update matches the recurrence</b> on all {len(steps)} tiles '
-            f"of this row ({length} scores, tiles of {size}).")
+            return step.index, problem
+    return None, ""
+
+
+def _failure(error: Exception) -> str:
+    """What a failing learner's function means, in a few words."""
+    if isinstance(error, NotDefinedYet):
+        return f"{error.name} is not defined yet (run its cell)"
+    if isinstance(error, NotImplementedError):
+        return "your tile_update is not written yet"
+    return f"your tile_update raised {type(error).__name__}"
+
+
+class NotDefinedYet(NameError):
+    """The notebook has no function of this name yet: the cell that defines it has not run."""
+
+
+def notebook_function(name: str) -> Callable:
+    """A stand-in for the notebook's function `name`, looked up at every call in the notebook's namespace.
+
+    A cell can then hand a learner's function to a widget before the cell that defines it has run
+    (calling it raises NotDefinedYet, which the widgets turn into a message), and a widget follows the
+    function when its cell is run again after a change.
+    """
+    def call(*args):
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        function = shell.user_ns.get(name) if shell is not None else None
+        if function is None:
+            raise NotDefinedYet(f"{name} is not defined yet: run the cell that defines it", name=name)
+        return function(*args)
+
+    call.__name__ = name
+    return call
+
+
+def _learner(update: Callable | str | None) -> Callable | None:
+    """A learner's function, given itself or by its name in the notebook."""
+    return notebook_function(update) if isinstance(update, str) else update
 
 
 def tile_explorer(scores: Sequence[float] | None = None, values: Sequence[float] | None = None, tile: int = 2,
-                  update: Callable | None = None) -> Explorer:
+                  update: Callable | str | None = None) -> Explorer:
     """Step through the online softmax on one row of scalar scores and values.
 
-    Defaults to the chapter's worked example (scores [0, 1, 2, -1], values [2, 4, 1, 3], tiles of
-    two). Sliders choose the tile size and the tile to look at; the recurrence selector injects the
-    classic bugs of recurrence.BUGS, or, given `update=tile_update`, runs the learner's own
-    tile_update(m, l, a, scores, values) -> (m, l, a) and marks where it leaves the recurrence.
+    Defaults to 01's worked example (scores [0, 1, 2, -1], values [2, 4, 1, 3], tiles of two).
+    Sliders choose the tile size and the tile to look at; the recurrence selector injects the
+    classic bugs of recurrence.BUGS, or, given the learner's tile_update(m, l, a, scores, values) ->
+    (m, l, a) as `update` (the function, or its name "tile_update", looked up in the notebook at every
+    redraw), runs it and marks where it leaves the recurrence; until it is defined and written, the
+    explorer says so and shows the correct recurrence.
     """
     scores = list(WORKED_SCORES if scores is None else scores)
     values = list(WORKED_VALUES if values is None else values)
@@ -676,7 +751,7 @@ def tile_explorer(scores: Sequence[float] | None = None, values: Sequence[float]
 
 
 def attention_row_explorer(q, k, v, tile: int = 8, batch: int = 0, head: int = 0, column: int = 0,
-                           query_offset: int | None = None, update: Callable | None = None) -> Explorer:
+                           query_offset: int | None = None, update: Callable | str | None = None) -> Explorer:
     """Step through the online softmax on one query row of real causal attention.
 
     q [B, Hq, T, D] (or [T, D]), k and v [B, Hkv, S, D] (or [S, D]), torch tensors. A slider picks

@@ -10,6 +10,7 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
+from matplotlib.figure import Figure
 
 from flashcourse import recurrence, reference, widgets
 from flashcourse.engine import online_softmax as engine
@@ -171,6 +172,10 @@ def test_tile_explorer_shows_the_worked_example_and_follows_the_slider():
     assert (cells["fc-l-rescaled"], cells["fc-a-rescaled"]) == ("0.5032", "1.7422")
     assert (cells["fc-m"], cells["fc-l"], cells["fc-a"], cells["fc-output"]) == ("2", "1.5530", "2.8915", "1.8619")
     assert "fc-wrong" not in cells
+    # The values beside the scores: a's tile part 1.1494 is the sum of p * v = 1 * 1 + 0.0498 * 3.
+    assert (cells["fc-values"], cells["fc-pv"]) == ("[1, 3]", "[1, 0.1494]")
+    ticks = [t.get_text() for t in explorer.figure.axes[0].get_xticklabels()]
+    assert ticks == ["0\nv = 2", "1\nv = 4", "2\nv = 1", "3\nv = 3"]
 
 
 def test_tile_explorer_tile_size_slider_clamps_the_current_tile():
@@ -194,6 +199,15 @@ def test_tile_explorer_bug_selector_shows_the_wrong_numbers(bug):
     assert number(cells["fc-output"]) == pytest.approx(wrong.output, abs=5e-5)
     assert cells["fc-want-output"] == "1.8619" and "fc-wrong" in cells
     assert recurrence.BUGS[bug] in cells["fc-note"]
+    # The × α column and bars show what the buggy code did to the old l and a, not the correct rescale.
+    assert number(cells["fc-l-rescaled"]) == pytest.approx(wrong.l_rescaled, abs=5e-5)
+    assert number(cells["fc-a-rescaled"]) == pytest.approx(wrong.a_rescaled, abs=5e-5)
+    l_bars, a_bars = explorer.figure.axes[1:3]
+    skipped = {"l_not_rescaled": ["l"], "a_not_rescaled": ["a"], "per_tile_softmax": ["l", "a"]}[bug]
+    for name, bars, old, rescaled in (("l", l_bars, wrong.l_old, wrong.l_rescaled), ("a", a_bars, wrong.a_old, wrong.a_rescaled)):
+        assert bars.patches[1].get_height() == pytest.approx(rescaled)
+        assert (bars.get_xticklabels()[1].get_text() == "not × α") == (name in skipped)
+        assert (rescaled == old) == (name in skipped)
 
 
 def test_tile_explorer_runs_the_learners_update():
@@ -213,14 +227,97 @@ def test_tile_explorer_runs_the_learners_update():
     assert panel(right)["fc-output"] == "1.8619" and "matches the recurrence" in panel(right)["fc-note"]
 
 
-@pytest.mark.parametrize("update", [lambda m, l, a, s, v: (_ for _ in ()).throw(NotImplementedError()),
-                                    lambda m, l, a, s, v: 1 / 0,
-                                    lambda m, l, a, s, v: None])
-def test_tile_explorer_survives_an_unfinished_update(update):
+def _stub(m, l, a, scores, values):
+    raise NotImplementedError()
+
+
+def _status(explorer) -> str:
+    """The line under the explorer's title that says what the picture shows."""
+    return explorer.figure.texts[0].get_text()
+
+
+@pytest.mark.parametrize("update, status", [
+    (_stub, "your tile_update is not written yet: showing the correct recurrence"),
+    (lambda m, l, a, s, v: 1 / 0, "your tile_update raised ZeroDivisionError: showing the correct recurrence"),
+    (lambda m, l, a, s, v: None, "your tile_update raised TypeError: showing the correct recurrence")])
+def test_tile_explorer_survives_an_unfinished_update(update, status):
     explorer = widgets.tile_explorer(update=update)
     cells = panel(explorer)
-    assert "Your tile_update" in cells["fc-note"] and "Exercise 1" in cells["fc-note"]
+    assert _status(explorer) == status and status.split(":")[0] in cells["fc-note"]
+    assert "Exercise 1" in cells["fc-note"] and "run this cell again" in cells["fc-note"]
     assert cells["fc-l"] == "1.3679"                          # the correct recurrence is shown meanwhile
+
+
+def test_tile_explorer_status_names_the_first_tile_that_differs():
+    def a_wrong_from_tile_3(m, l, a, scores, values):
+        s = recurrence.step(m, l, a, scores, values, "a_not_rescaled" if scores[0] > 1.5 else None)
+        return s.m_new, s.l_new, s.a_new
+
+    explorer = widgets.tile_explorer([0.0, 1.0, 1.2, 0.5, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], tile=2,
+                                     update=a_wrong_from_tile_3)
+    assert _status(explorer) == "your tile_update: it differs from the recurrence at tile 3"
+    right = widgets.tile_explorer(update=engine.tile_update)
+    assert _status(right) == "your tile_update: it matches the recurrence"
+    assert widgets.tile_explorer().figure.texts[0].get_text() == "correct recurrence"
+
+
+class _Notebook:
+    """Stands in for IPython's shell: a namespace the widgets look learner's functions up in."""
+
+    def __init__(self):
+        self.user_ns = {}
+
+
+def test_tile_explorer_finds_tile_update_by_name_before_and_after_its_cell_ran(monkeypatch):
+    import IPython
+
+    notebook = _Notebook()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: notebook)
+    explorer = widgets.tile_explorer(update="tile_update")      # the cell of tile_update has not run
+    assert _status(explorer) == "tile_update is not defined yet (run its cell): showing the correct recurrence"
+    assert "move a slider here" in panel(explorer)["fc-note"]
+    notebook.user_ns["tile_update"] = _stub
+    explorer.controls["tile"].value = 2
+    assert _status(explorer).startswith("your tile_update is not written yet")
+    notebook.user_ns["tile_update"] = engine.tile_update        # written, its cell run again: no re-run here
+    explorer.controls["tile"].value = 1
+    assert _status(explorer) == "your tile_update: it matches the recurrence"
+
+
+def test_state_plot_finds_tile_update_by_name(monkeypatch, capsys):
+    import IPython
+
+    notebook = _Notebook()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: notebook)
+    assert widgets.state_plot(update="tile_update") is None
+    assert "tile_update is not defined yet" in capsys.readouterr().out
+    notebook.user_ns["tile_update"] = engine.tile_update
+    assert widgets.state_plot(update="tile_update") is not None
+    assert "matches the recurrence" in capsys.readouterr().out
+
+
+def _overflow(fig) -> list[float]:
+    """How far, in inches, what a figure draws (titles, labels, legends, annotations) passes each of its
+    edges (left, bottom, right, top); all zero or less when everything fits."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    drawn = fig.get_tightbbox(FigureCanvasAgg(fig).get_renderer())
+    width, height = fig.get_size_inches()
+    return [round(x, 3) for x in (-drawn.x0, -drawn.y0, drawn.x1 - width, drawn.y1 - height)]
+
+
+@pytest.mark.parametrize("update, choice", [(None, "correct"), (None, "l_not_rescaled"), (None, "per_tile_softmax"),
+                                            (_stub, "yours"), ("tile_update", "yours"),
+                                            (lambda m, l, a, s, v: 1 / 0, "yours")])
+def test_tile_explorer_texts_are_fully_visible(update, choice):
+    cut = Figure(figsize=(4, 3))
+    cut.text(0.9, 0.5, "a legend title that runs past the edge")
+    assert _overflow(cut)[2] > 1                                  # the measure sees a cut-off text
+    explorer = widgets.tile_explorer(update=update)
+    explorer.controls["recurrence"].value = choice
+    for tile in (1, 2):
+        explorer.controls["tile"].value = tile
+        assert max(_overflow(explorer.figure)) <= 0.01, _overflow(explorer.figure)
 
 
 def test_tile_explorer_on_another_row():
@@ -301,10 +398,7 @@ def test_state_plot_draws_the_correct_recurrence_without_an_update():
 
 
 def test_state_plot_says_so_while_tile_update_is_the_stub(capsys):
-    def stub(m, l, a, scores, values):
-        raise NotImplementedError()
-
-    assert widgets.state_plot(update=stub) is None
+    assert widgets.state_plot(update=_stub) is None
     assert capsys.readouterr().out.strip() == widgets.NOT_WRITTEN == "write tile_update above to see your own recurrence here"
 
 
