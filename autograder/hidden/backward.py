@@ -1,0 +1,104 @@
+"""Hidden checks for 06_backward: the forward with its log-sum-exp and the backward pass, in PyTorch.
+
+Each check runs on its own variety of shapes: T and S odd, tiles that do not divide them, GQA 4:1 and
+2:1 beside Hq = Hkv, chunked prefill and custom positions, rows whose first tiles or all keys are
+invisible. The GQA cases are kept out of the other backward checks, so a dk/dv written per query head
+loses the GQA points alone. Tolerances are flashcourse.attention_checks.TOLERANCES for float32 (1e-4
+relative and absolute) against torch.autograd through the float64 reference; every case is seeded.
+"""
+
+import torch
+
+from flashcourse import attention_checks as ac
+from flashcourse import backward_checks as bc
+
+BIG = 10**6   # the position of a padding key: later than every query, so never visible
+TILES = (1, 3, 7, 16, 64)
+
+
+def _odd_cases():
+    """Odd T and S, tiles that do not divide them, Hq = Hkv, prefill and chunked prefill."""
+    return [
+        ac.make_case("prefill, T = S = 13", batch=2, q_heads=3, kv_heads=3, t=13, s=13, seed=300),
+        ac.make_case("chunked prefill, T = 7, S = 29", batch=1, q_heads=2, kv_heads=2, t=7, s=29, seed=301),
+        ac.make_case("decode, T = 1, S = 31", batch=2, q_heads=1, kv_heads=1, t=1, s=31, seed=302),
+        ac.make_case("value dim 8, key dim 16", batch=1, q_heads=2, kv_heads=2, t=9, s=11, d=16, dv=8, seed=303),
+        ac.make_case("gapped positions", batch=2, q_heads=2, kv_heads=2, t=4, s=10, seed=304,
+                     key_positions=torch.arange(10) * 3, query_positions=torch.tensor([[2, 9, 20, 27], [0, 4, 12, 30]])),
+        ac.make_case("scores in the tens", batch=1, q_heads=2, kv_heads=2, t=11, s=11, seed=305, score_scale=10.0),
+    ]
+
+
+def _gqa_cases():
+    """GQA 4:1 and 2:1, prefill and chunked prefill, with odd lengths."""
+    return [
+        ac.make_case("GQA 4:1, prefill T = S = 11", batch=1, q_heads=8, kv_heads=2, t=11, s=11, seed=310),
+        ac.make_case("GQA 2:1, chunked prefill T = 5, S = 17", batch=2, q_heads=4, kv_heads=2, t=5, s=17, seed=311),
+        ac.make_case("GQA 4:1, one KV head, S = 23", batch=1, q_heads=4, kv_heads=1, t=9, s=23, seed=312),
+        ac.make_case("GQA 2:1, positions [B, T]", batch=2, q_heads=2, kv_heads=1, t=3, s=9, seed=313,
+                     query_positions=torch.tensor([[2, 5, 8], [0, 3, 6]])),
+    ]
+
+
+def _first_tiles_invisible_cases():
+    """Rows whose first key tiles hold no visible key (a padded batch, a ring-buffer cache), with GQA."""
+    return [
+        ac.make_case("left-padded batch, GQA 2:1", batch=2, q_heads=4, kv_heads=2, t=4, s=12, seed=315,
+                     key_positions=torch.stack([torch.arange(12), torch.cat([torch.full((5,), BIG), torch.arange(7)])]),
+                     query_positions=torch.stack([torch.arange(8, 12), torch.arange(3, 7)])),
+        ac.make_case("ring-buffer cache", batch=1, q_heads=2, kv_heads=1, t=3, s=16, seed=316,
+                     key_positions=torch.cat([torch.arange(8, 16), torch.arange(8)]), query_positions=torch.tensor([3, 6, 14])),
+    ]
+
+
+def _no_key_cases():
+    """Rows that see no key at all, and rows whose first tiles hold none; Hq = Hkv."""
+    return [
+        ac.make_case("left-padded, two rows see no key", batch=2, q_heads=2, kv_heads=2, t=4, s=12, seed=320,
+                     key_positions=torch.cat([torch.full((5,), BIG), torch.arange(7)]),
+                     query_positions=torch.tensor([[-2, -1, 3, 6], [0, 1, 2, 3]])),
+        ac.make_case("ring-buffer cache", batch=1, q_heads=3, kv_heads=3, t=3, s=16, seed=321,
+                     key_positions=torch.cat([torch.arange(8, 16), torch.arange(8)]),
+                     query_positions=torch.tensor([3, 6, 14])),
+        ac.make_case("query before every key", batch=1, q_heads=1, kv_heads=1, t=5, s=7, seed=322,
+                     key_positions=torch.arange(7) + 2, query_positions=torch.tensor([0, 1, 2, 5, 8])),
+    ]
+
+
+def test_online_attention_lse(online_attention_lse) -> None:
+    """o and lse for 03's general cases, the odd and GQA cases, with tiles of 1, 3, 7, 16 and more than S."""
+    cases = [*ac.standard_cases(seed=100), *_odd_cases(), *_gqa_cases()]
+    bc.check_forward_lse(online_attention_lse, [c.with_kwargs(tile=t) for c in cases for t in TILES])
+
+
+def test_online_attention_lse_edges(online_attention_lse) -> None:
+    """Rows with no key (o = 0, lse = -inf), first tiles with no visible key, and the ValueErrors."""
+    cases = [*_no_key_cases(), *_first_tiles_invisible_cases()]
+    bc.check_forward_lse(online_attention_lse, [c.with_kwargs(tile=t) for c in cases for t in (1, 2, 3, 5)])
+    base = ac.make_case("tile 0", batch=1, q_heads=2, kv_heads=1, t=4, s=6, seed=330)
+    ac.check_raises(online_attention_lse, base.with_kwargs(tile=0), "tile must be at least 1")
+    ac.check_raises(online_attention_lse, base.with_kwargs(tile=-3), "tile must be at least 1")
+    ac.check_raises(online_attention_lse, ac.make_case("Hq = 3, Hkv = 2", q_heads=3, kv_heads=2, t=4, s=6, seed=331),
+                    "query heads must be a multiple of KV heads")
+
+
+def test_attention_backward(attention_backward) -> None:
+    """Gradients with Hq = Hkv: odd T and S, chunked prefill, decode, Dv != D, positions, large scores."""
+    cases = [*_odd_cases(), *(c for c in ac.standard_cases(seed=340) if c.q.shape[1] == c.k.shape[1])]
+    bc.check_backward(attention_backward, [c.with_kwargs(tile=t) for c in cases for t in TILES])
+
+
+def test_attention_backward_gqa(attention_backward) -> None:
+    """Gradients with GQA 4:1 and 2:1: dk and dv summed over each KV head's query heads."""
+    bc.check_backward(attention_backward, [c.with_kwargs(tile=t) for c in _gqa_cases() for t in TILES])
+
+
+def test_attention_backward_edges(attention_backward) -> None:
+    """Rows that see no key: zero gradient, no NaN, for every tile size."""
+    bc.check_backward(attention_backward, [c.with_kwargs(tile=t) for c in _no_key_cases() for t in (1, 2, 3, 5, 16)])
+
+
+def test_attention_backward_memory(attention_backward) -> None:
+    """No floating-point tensor of T * S elements, measured from outside on a scaled-up GQA case."""
+    bc.check_backward_memory(attention_backward, ac.make_case("memory, chunked prefill", batch=1, q_heads=2,
+                                                              kv_heads=1, t=96, s=160, d=8, seed=350, tile=16))

@@ -1,0 +1,452 @@
+"""Checks for attention's backward pass and its saved log-sum-exp, naming the learner's likely mistake.
+
+The functions under test follow the course's shapes: q [B, Hq, T, D], k and v [B, Hkv, S, D].
+
+    forward(q, k, v, **kwargs) -> (o [B, Hq, T, Dv], lse [B, Hq, T] float32, natural log)
+    backward(q, k, v, o, lse, do, **kwargs) -> (dq like q, dk like k, dv like v)
+
+The ground truth is torch.autograd through `flashcourse.reference.attention` in float64. A row that
+sees no key has o = 0 and lse = -inf, and contributes nothing to any gradient (the reference raises
+on such rows, so there the same masked softmax is differentiated with those rows set to zero).
+
+When an answer is wrong, it is compared with the answers of deliberately wrong versions, one per
+classic mistake, and the message names the mistake only when the answer matches it:
+
+    delta_missing        dS = P * dP, without subtracting Delta
+    delta_from_do        Delta = rowsum(dO) instead of rowsum(dO * O)
+    delta_from_o         Delta = rowsum(O)
+    p_from_max           P rebuilt as exp(S - m), the row maximum saved instead of the log-sum-exp
+    lse_read_as_base2    a natural-log lse used as if it were base 2 (exp2(S log2 e - lse))
+    base2_lse_with_exp   a base-2 lse used with exp (exp(S - lse2))
+    dq_no_scale, dk_no_scale, dq_dk_no_scale                  the scale 1/sqrt(D) missing
+    dq_scale_twice, dk_scale_twice, dq_dk_scale_twice         the scale applied twice
+    no_causal_backward   the causal mask left out when P is rebuilt
+    gqa_last_head        dk, dv written per query head, so the last head of each group wins
+
+and, for the saved lse: lse_is_max (m saved, without log l), lse_base2 (log2 instead of ln), lse_log_l
+(log l without m). NaN gradients on rows that see no key are named as exp(-inf - -inf).
+
+    from flashcourse import attention_checks as ac, backward_checks as bc
+    bc.check_forward_lse(online_attention_lse, [c.with_kwargs(tile=4) for c in ac.standard_cases()])
+    bc.check_backward(attention_backward, ac.standard_cases())
+
+References: Dao et al. (2022), FlashAttention, appendix B (the backward pass); Dao (2023),
+FlashAttention-2, section 3.1.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Callable, Iterable
+
+import torch
+
+from . import attention_checks as ac
+from . import reference
+from .attention_checks import Case
+from .positions import positions
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+GRADIENTS = ("dq", "dk", "dv")
+
+BACKWARD_BUGS = {
+    "delta_missing": "Delta was left out: dS = P * dP instead of P * (dP - Delta), Delta = rowsum(dO * O)",
+    "delta_from_do": "Delta was computed as rowsum(dO) instead of rowsum(dO * O)",
+    "delta_from_o": "Delta was computed as rowsum(O) instead of rowsum(dO * O)",
+    "p_from_max": "P was rebuilt as exp(S - m) with the row maximum m, without dividing by l: the saved "
+                  "statistic must be the log-sum-exp m + log(l)",
+    "lse_read_as_base2": "the natural-log lse was used as a base-2 one (exp2(S * log2(e) - lse)): convert it, "
+                         "exp2(S * log2(e) - lse * log2(e)), or use exp(S - lse)",
+    "base2_lse_with_exp": "a base-2 lse was used with exp (exp(S - lse2)): use exp2(S * log2(e) - lse2), or save "
+                          "the natural log lse2 * ln(2)",
+    "dq_no_scale": "dQ is missing the scale: dQ = scale * dS K",
+    "dk_no_scale": "dK is missing the scale: dK = scale * dS^T Q",
+    "dq_dk_no_scale": "dQ and dK are both missing the scale: dQ = scale * dS K and dK = scale * dS^T Q",
+    "dq_scale_twice": "dQ got the scale twice (once in S, once more in dQ = scale * dS K, with Q already scaled)",
+    "dk_scale_twice": "dK got the scale twice (dK = scale * dS^T Q with Q already scaled, or the scale applied twice)",
+    "dq_dk_scale_twice": "dQ and dK both got the scale twice",
+    "no_causal_backward": "the causal mask was left out of the backward pass: P = exp(S - lse) was rebuilt for keys "
+                          "the query may not see",
+    "gqa_last_head": "dK and dV were written per query head, so the last query head of each group overwrote the "
+                     "others: sum them over the query heads that share the KV head",
+}
+LSE_BUGS = {
+    "lse_is_max": "the saved lse is the row maximum m: the log-sum-exp is m + log(l)",
+    "lse_base2": "the saved lse is in base 2 (log2 of the sum of exponentials): the course saves the natural "
+                 "log, lse2 * ln(2)",
+    "lse_log_l": "the saved lse is log(l) without m: the log-sum-exp is m + log(l)",
+}
+NAN_HINT = ("a query row that sees no key has lse = -inf, and exp(S - lse) is exp(-inf - (-inf)) = NaN there: "
+            "give such rows P = 0 (for example, rebuild P against 0 where lse is -inf)")
+
+
+def upstream(case: Case) -> torch.Tensor:
+    """The seeded upstream gradient dO [B, Hq, T, Dv] of a case, in its dtype and on its device."""
+    b, hq, t, _ = case.q.shape
+    seed = zlib.crc32(f"{case.name} {list(case.q.shape)} {list(case.k.shape)}".encode())
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, hq, t, case.v.shape[-1], generator=gen, dtype=torch.float64).to(case.q.device, case.q.dtype)
+
+
+def _masked_scores(case: Case):
+    """float64 scaled scores with -inf where a key is invisible [B, Hq, T, S], values [B, Hq, S, Dv], mask."""
+    scores, v, mask = ac._scores_and_mask(case)
+    return scores.masked_fill(~mask, -math.inf), v, mask
+
+
+def reference_forward(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (o [B, Hq, T, Dv], lse [B, Hq, T]); a row that sees no key has o = 0 and lse = -inf."""
+    scores, v, _ = _masked_scores(case.to("cpu"))
+    lse = torch.logsumexp(scores, dim=-1)                               # -inf where every score is -inf
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - safe[..., None]) @ v, lse
+
+
+def saved(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a correct forward saves for the backward: o in the case's dtype, lse in float32, on its device."""
+    o, lse = reference_forward(case)
+    return o.to(case.q.device, case.q.dtype), lse.to(case.q.device, torch.float32)
+
+
+def reference_gradients(case: Case, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 (dq, dk, dv) by torch.autograd through flashcourse.reference.attention.
+
+    Rows that see no key are left out of the loss: their output is zero whatever q, k, v are.
+    """
+    cpu = case.to("cpu")
+    q, k, v = (x.detach().double().requires_grad_() for x in (cpu.q, cpu.k, cpu.v))
+    mask = reference.visible_mask(q, k, cpu.query_positions, cpu.key_positions)    # [B, 1, T, S]
+    seen = mask.any(-1)                                                             # [B, 1, T]
+    if bool(seen.all()):
+        out = reference.attention(q, k, v, cpu.query_positions, cpu.key_positions)
+    else:
+        # The same masked softmax, with the empty rows' scores replaced by zeros and their weights dropped.
+        group = q.shape[1] // k.shape[1]
+        scores = q @ k.repeat_interleave(group, 1).transpose(-2, -1) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~mask, -math.inf).masked_fill(~seen[..., None], 0.0)
+        out = (torch.softmax(scores, -1) * seen[..., None]) @ v.repeat_interleave(group, 1)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do.detach().cpu().double())
+    return dq, dk, dv
+
+
+def backward_variant(case: Case, do: torch.Tensor, bug: str | None = None):
+    """float64 (dq, dk, dv) from the backward formulas, with one of BACKWARD_BUGS injected (or none).
+
+    The forward is always the correct one (o and lse exact): only the backward pass goes wrong.
+    """
+    if bug is not None and bug not in BACKWARD_BUGS:
+        raise ValueError(f"unknown backward bug {bug!r}; choose one of {tuple(BACKWARD_BUGS)}")
+    cpu = case.to("cpu")
+    q, k = cpu.q.double(), cpu.k.double()
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    scores, v, mask = ac._scores_and_mask(cpu)                        # [B, Hq, T, S], [B, Hq, S, Dv], [B, 1, T, S]
+    do = do.detach().cpu().double()
+    o, lse = reference_forward(cpu)
+    seen = torch.isfinite(lse)[..., None]                             # [B, Hq, T, 1]
+    lse = torch.where(seen, lse[..., None], torch.zeros_like(o[..., :1]))
+    visible = mask if bug != "no_causal_backward" else torch.ones_like(mask)
+    if bug == "p_from_max":
+        row_max = scores.masked_fill(~mask, -math.inf).amax(-1, keepdim=True)
+        lse = torch.where(seen, row_max, torch.zeros_like(row_max))
+    elif bug == "lse_read_as_base2":
+        lse = lse * LN2
+    elif bug == "base2_lse_with_exp":
+        lse = lse * LOG2E
+    p = torch.exp(scores - lse).masked_fill(~visible, 0.0) * seen     # [B, Hq, T, S]
+    delta = {"delta_missing": torch.zeros_like(lse), "delta_from_do": do.sum(-1, keepdim=True),
+             "delta_from_o": o.sum(-1, keepdim=True)}.get(bug, (do * o).sum(-1, keepdim=True))
+    dp = do @ v.transpose(-2, -1)                                     # [B, Hq, T, S]
+    ds = p * (dp - delta)
+    q_scale = {"dq_no_scale": 1.0, "dq_dk_no_scale": 1.0, "dq_scale_twice": scale**2,
+               "dq_dk_scale_twice": scale**2}.get(bug, scale)
+    k_scale = {"dk_no_scale": 1.0, "dq_dk_no_scale": 1.0, "dk_scale_twice": scale**2,
+               "dq_dk_scale_twice": scale**2}.get(bug, scale)
+    heads = torch.arange(hq) // group
+    dq = q_scale * ds @ k[:, heads]                                   # [B, Hq, T, D]
+    dk_heads = (k_scale * ds.transpose(-2, -1) @ q).reshape(b, hkv, group, s, d)
+    dv_heads = (p.transpose(-2, -1) @ do).reshape(b, hkv, group, s, -1)
+    if bug == "gqa_last_head":
+        return dq, dk_heads[:, :, -1], dv_heads[:, :, -1]
+    return dq, dk_heads.sum(2), dv_heads.sum(2)
+
+
+def lse_variant(case: Case, bug: str) -> torch.Tensor:
+    """The float64 lse [B, Hq, T] a forward with one of LSE_BUGS saves."""
+    scores, _, _ = _masked_scores(case.to("cpu"))
+    _, lse = reference_forward(case)
+    row_max = scores.amax(-1)
+    if bug == "lse_is_max":
+        return row_max
+    if bug == "lse_base2":
+        return lse * LOG2E
+    if bug == "lse_log_l":
+        return torch.where(torch.isfinite(lse), lse - row_max, lse)
+    raise ValueError(f"unknown lse bug {bug!r}; choose one of {tuple(LSE_BUGS)}")
+
+
+def _where_row(case: Case, index: tuple[int, ...]) -> str:
+    return ac._where(case.to("cpu"), index)
+
+
+def _first_wrong(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple[int, ...] | None:
+    ok = ac._close(got, want, rtol, atol)
+    if bool(ok.all()):
+        return None
+    error = ((got - want).abs() - rtol * want.abs()).nan_to_num(math.inf).masked_fill(ok, -math.inf)
+    return tuple(int(x) for x in torch.unravel_index(error.argmax(), error.shape))
+
+
+def _empty_rows(case: Case) -> torch.Tensor:
+    """[B, T] booleans: query rows that see no key at all."""
+    _, _, mask = ac._scores_and_mask(case.to("cpu"))
+    return ~mask[:, 0].any(-1)
+
+
+def explain_lse(got, case: Case, what: str = "lse") -> str | None:
+    """None when `got` is the natural-log log-sum-exp [B, Hq, T] in float32 (-inf on rows that see no key)."""
+    where = f"{what}, {case.describe()}"
+    _, want = reference_forward(case)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+        shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        return f"{where}: lse should be a tensor [B, Hq, T] = {list(want.shape)}, got {shape}"
+    if got.dtype != torch.float32:
+        return f"{where}: lse should be float32 whatever the inputs' dtype (it feeds exp), got {got.dtype}"
+    got = got.detach().cpu().double()
+    empty = torch.isinf(want)
+    if bool(torch.isnan(got).any()):
+        index = tuple(int(x) for x in torch.isnan(got).nonzero()[0])
+        cause = (" That row sees no key: its lse is log(0) = -inf, not log(0 / 0)." if bool(empty[index]) else "")
+        return f"{where}: NaN at {_where_row(case, index)}.{cause}"
+    if bool((got[empty] != -math.inf).any()):
+        index = tuple(int(x) for x in (empty & (got != -math.inf)).nonzero()[0])
+        return (f"{where}: {_where_row(case, index)} sees no key, so its lse must be -inf (log of an empty sum), "
+                f"got {ac._fmt(got[index])}")
+    rtol, atol = ac.tolerance(case.q.dtype)
+    index = _first_wrong(got.masked_fill(empty, 0.0), want.masked_fill(empty, 0.0), rtol, atol)
+    if index is None:
+        return None
+    message = (f"{where}: wrong at {_where_row(case, index)}: got {ac._fmt(got[index])}, expected "
+               f"{ac._fmt(want[index])} = log of the sum of exp(s) over the keys the row sees "
+               f"(tolerance rtol={rtol:g}, atol={atol:g}).")
+    for bug, words in LSE_BUGS.items():
+        wrong = lse_variant(case, bug).masked_fill(empty, 0.0)
+        if not bool(ac._close(wrong, want.masked_fill(empty, 0.0), rtol, atol).all()) and \
+                bool(ac._close(got.masked_fill(empty, 0.0), wrong, 2 * rtol, 2 * atol).all()):
+            return f"{message} This is exactly what happens when {words}."
+    return message + " Save m + log(l), the final state's maximum plus the log of its sum."
+
+
+def explain_forward(result, case: Case, tile: int | None = None, what: str = "forward") -> str | None:
+    """None when `result` is (o, lse) for `case`, else a message naming which one is wrong and how."""
+    where = f"{what}, {case.describe()}"
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        return f"{where}: should return the pair (o, lse), got {type(result).__name__}"
+    o, lse = result
+    empty = _empty_rows(case)
+    if not bool(empty.any()):
+        problem = ac.explain_output(o, case, tile=tile, what=f"{what} (its output o)")
+    else:
+        problem = _explain_output_with_empty_rows(o, case, empty, where)
+    return problem or explain_lse(lse, case, f"{what} (its lse)")
+
+
+def _explain_output_with_empty_rows(o, case: Case, empty: torch.Tensor, where: str) -> str | None:
+    want, _ = reference_forward(case)
+    if not isinstance(o, torch.Tensor) or tuple(o.shape) != tuple(want.shape):
+        return f"{where}: o should be a tensor {list(want.shape)} ([B, Hq, T, Dv])"
+    got = o.detach().cpu().double()
+    if bool(torch.isnan(got).any()):
+        index = tuple(int(x) for x in torch.isnan(got).nonzero()[0])
+        hint = (" That row sees no key: its output is 0 (l = 0, a = 0), so divide only where l > 0."
+                if bool(empty[index[0], index[2]]) else f" {ac.NAN_HINT}.")
+        return f"{where}: NaN in o at {_where_row(case, index)}.{hint}"
+    rtol, atol = ac.tolerance(case.q.dtype)
+    index = _first_wrong(got, want, rtol, atol)
+    if index is None:
+        return None
+    row = "which sees no key, so its output must be 0" if bool(empty[index[0], index[2]]) else "which sees keys"
+    return (f"{where}: o wrong at {_where_row(case, index)} ({row}), element {index[3]}: got "
+            f"{ac._fmt(got[index])}, expected {ac._fmt(want[index])}.")
+
+
+def check_forward_lse(fn: Callable, cases: Iterable[Case], tile_arg: str | None = "tile") -> None:
+    """fn(q, k, v, **kwargs) must return (o, lse) equal to the reference's; AssertionError naming the mistake."""
+    what = getattr(fn, "__name__", "forward")
+    for case in cases:
+        try:
+            result = case.call(fn)
+        except ValueError as error:
+            raise AssertionError(f"{what}, {case.describe()}: raised ValueError({str(error)!r}); a row that sees no "
+                                 "key is not an error here: its o is 0 and its lse -inf") from None
+        problem = explain_forward(result, case, case.kwargs.get(tile_arg) if tile_arg else None, what)
+        if problem:
+            raise AssertionError(problem)
+
+
+def _as_gradients(result, case: Case, where: str):
+    """The three gradients as float64 CPU tensors, or a message saying what is wrong with their form."""
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        return f"{where}: should return the tuple (dq, dk, dv), got {type(result).__name__}"
+    for name, x, like in zip(GRADIENTS, result, (case.q, case.k, case.v)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(like.shape):
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            return (f"{where}: {name} should have the shape of {name[1]} {list(like.shape)}, got {shape}"
+                    + (" (GQA: sum the query heads of each KV head)" if name != "dq" and isinstance(x, torch.Tensor)
+                       and x.shape[1] == case.q.shape[1] != case.k.shape[1] else ""))
+    return tuple(x.detach().cpu().double() for x in result)
+
+
+def matching_bugs(got, case: Case, do: torch.Tensor, want, rtol: float, atol: float) -> list[str]:
+    """The names of the backward mistakes whose (dq, dk, dv) on `case` equal `got` (and differ from `want`)."""
+    found = []
+    for bug in BACKWARD_BUGS:
+        wrong = backward_variant(case, do, bug)
+        if all(bool(ac._close(w, r, rtol, atol).all()) for w, r in zip(wrong, want)):
+            continue                         # this mistake changes nothing on this case
+        if all(bool(ac._close(g, w, 2 * rtol, 2 * atol).all()) for g, w in zip(got, wrong)):
+            found.append(bug)
+    return found
+
+
+def explain_gradients(result, case: Case, do: torch.Tensor, what: str = "backward") -> str | None:
+    """None when `result` is (dq, dk, dv) of `case` with upstream gradient `do`, else what is wrong."""
+    where = f"{what}, {case.describe()}"
+    got = _as_gradients(result, case, where)
+    if isinstance(got, str):
+        return got
+    want = reference_gradients(case, do)
+    empty = _empty_rows(case)
+    for name, g in zip(GRADIENTS, got):
+        if bool(torch.isnan(g).any()):
+            if bool(empty.any()):
+                return f"{where}: NaN in {name}. This is what happens when {NAN_HINT}."
+            return (f"{where}: NaN in {name}, although every query row sees a key: look for inf - inf or 0 / 0 "
+                    "(is lse finite? is P rebuilt as exp(S - lse) only for visible keys?)")
+    rtol, atol = ac.tolerance(case.q.dtype)
+    wrong = [(name, g, w) for name, g, w in zip(GRADIENTS, got, want) if _first_wrong(g, w, rtol, atol)]
+    if not wrong:
+        return None
+    name, g, w = wrong[0]
+    index = _first_wrong(g, w, rtol, atol)
+    if name == "dq":
+        place = f"{_where_row(case, index)}, element {index[3]}"
+    else:
+        place = f"batch {index[0]}, KV head {index[1]}, key {index[2]}, element {index[3]}"
+    message = (f"{where}: {', '.join(n for n, _, _ in wrong)} wrong; {name} at {place}: got {ac._fmt(g[index])}, "
+               f"expected {ac._fmt(w[index])} (tolerance rtol={rtol:g}, atol={atol:g}).")
+    bugs = matching_bugs(got, case, do, want, rtol, atol)
+    if bugs:
+        return f"{message} This is exactly what happens when " + ", or when ".join(BACKWARD_BUGS[b] for b in bugs) + "."
+    return message + (" Check Delta = rowsum(dO * O), P = exp(S - lse) on visible keys only, the scale in dQ and "
+                      "dK, and that dK and dV sum over the query heads of each KV head.")
+
+
+def call_backward(fn: Callable, case: Case, do: torch.Tensor | None = None):
+    """fn(q, k, v, o, lse, do, **kwargs) with the exact saved o and lse; returns (result, do)."""
+    do = upstream(case) if do is None else do
+    o, lse = saved(case)
+    return fn(case.q, case.k, case.v, o, lse, do, **case.kwargs), do
+
+
+def check_backward(fn: Callable, cases: Iterable[Case]) -> None:
+    """fn(q, k, v, o, lse, do, **kwargs) must return autograd's (dq, dk, dv); AssertionError naming the mistake."""
+    what = getattr(fn, "__name__", "backward")
+    for case in cases:
+        result, do = call_backward(fn, case)
+        problem = explain_gradients(result, case, do, what)
+        if problem:
+            raise AssertionError(problem)
+
+
+def recognise_gradients(result, case: Case, do: torch.Tensor) -> str | None:
+    """"correct", the name of the backward mistake `result` matches on `case`, or None."""
+    if explain_gradients(result, case, do) is None:
+        return "correct"
+    got = _as_gradients(result, case, "")
+    if isinstance(got, str):
+        return None
+    rtol, atol = ac.tolerance(case.q.dtype)
+    bugs = matching_bugs(got, case, do, reference_gradients(case, do), rtol, atol)
+    return bugs[0] if bugs else None
+
+
+def _rows(case: Case, rows: torch.Tensor) -> Case:
+    """The query rows `rows` of a case as a case of their own, at their absolute positions."""
+    b, _, t, _ = case.q.shape
+    qp = positions(case.query_positions, b, t, case.k.shape[2] - t, "cpu")[:, rows]
+    return Case(f"{case.name}, rows {rows.tolist()}", case.q[:, :, rows], case.k, case.v, qp, case.key_positions)
+
+
+def _saved_by_rows(case: Case, chunk: int = 512):
+    """saved(case), computed `chunk` query rows at a time (never a whole [T, S] matrix)."""
+    parts = [saved(_rows(case, torch.arange(start, min(start + chunk, case.q.shape[2]))))
+             for start in range(0, case.q.shape[2], chunk)]
+    return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+
+
+def check_backward_memory(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
+    """fn(q, k, v, o, lse, do, **kwargs) must not create a floating-point tensor of T * S elements or more.
+
+    Measured with flashcourse.memory's tracker when fn runs here; through `fn.limited_call` (the
+    address space limited from outside, as attention_checks.check_memory_from_outside does for the
+    forward) when it runs in another process. Its answer must be the gradients or a recognised
+    mistake (graded elsewhere), so a function that gives up earns nothing.
+    """
+    if hasattr(fn, "limited_call"):
+        return _check_backward_memory_from_outside(fn, case, tile_arg)
+    from .memory import AllocationTracker
+
+    what = getattr(fn, "__name__", "backward")
+    t, s = case.q.shape[2], case.k.shape[2]
+    do = upstream(case)
+    o, lse = saved(case)
+    with AllocationTracker() as tracker:
+        result = fn(case.q, case.k, case.v, o, lse, do, **case.kwargs)
+    too_big = tracker.created(t * s)
+    if too_big:
+        biggest = max(too_big, key=lambda a: a.numel)
+        raise AssertionError(
+            f"{what}, {case.describe()}: created a {biggest.dtype} tensor of shape {list(biggest.shape)} "
+            f"({biggest.numel} elements, from {biggest.op}), as large as the whole [T, S] = [{t}, {s}] matrix of "
+            f"P. Rebuild P = exp(S - lse) one key tile at a time ([.., {case.kwargs.get(tile_arg)}] keys) and never "
+            "keep it whole.")
+    if recognise_gradients(result, case, do) is None:
+        raise AssertionError(f"{what}, {case.describe()}: the gradients are neither autograd's nor a recognised "
+                             "mistake's, so their memory use is not graded.")
+
+
+def _check_backward_memory_from_outside(fn: Callable, case: Case, tile_arg: str) -> None:
+    what = getattr(fn, "__name__", "backward")
+    b, hq, t, d = case.q.shape
+    hkv, s = case.k.shape[1], case.k.shape[2]
+    grow = math.ceil(math.sqrt(ac.PROBE_SCORE_BYTES / (4 * b * hq * t * s)))
+    big = ac.make_case(f"{case.name}, {grow}x longer", batch=b, q_heads=hq, kv_heads=hkv, t=t * grow, s=s * grow,
+                       d=d, seed=t * s, **{tile_arg: ac.PROBE_TILE})
+    do = upstream(big)
+    o, lse = _saved_by_rows(big)
+    matrix_mib = 4 * b * hq * big.q.shape[2] * big.k.shape[2] >> 20
+    try:
+        result = fn.limited_call(ac.PROBE_ALLOWANCE, big.q, big.k, big.v, o, lse, do, **big.kwargs)
+    except MemoryError as error:
+        raise AssertionError(
+            f"{what}, {big.describe()}: with its memory limited to {ac.PROBE_ALLOWANCE >> 20} MiB beyond what the "
+            f"kernel held at start-up, it failed ({error}). One [T, S] float32 matrix of P for this case alone takes "
+            f"{matrix_mib} MiB: rebuild P one key tile at a time and never keep it whole.") from None
+    got = _as_gradients(result, big, f"{what}, {big.describe()}")
+    if isinstance(got, str):
+        raise AssertionError(got)
+    # dQ of a row depends on that row alone: a few rows are checked against the reference and the mistakes.
+    rows = torch.randperm(big.q.shape[2], generator=torch.Generator().manual_seed(s))[:ac.PROBE_ROWS]
+    few = _rows(big, rows)
+    few_do = do[:, :, rows]
+    rtol, atol = ac.tolerance(big.q.dtype)
+    answers = [reference_gradients(few, few_do)[0], *(backward_variant(few, few_do, bug)[0] for bug in BACKWARD_BUGS)]
+    if not any(bool(ac._close(got[0][:, :, rows], dq, 2 * rtol, 2 * atol).all()) for dq in answers):
+        raise AssertionError(f"{what}, {big.describe()}: within the memory limit it answered, but dq of rows "
+                             f"{rows.tolist()} is neither the gradient nor a recognised mistake's, so its memory use "
+                             "earns nothing.")
