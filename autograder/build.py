@@ -168,19 +168,28 @@ def carry_text(assignment: str) -> list[str]:
     """Bring the committed, executed solution up to date with source/ without executing anything.
 
     Each cell takes the source's new text and keeps its outputs, so outputs made on a GPU survive a
-    change of prose or of a test cell. Refused (ValueError) when cells were added, removed or
-    reordered, or when a code cell that has outputs changed: that needs executing. Code cells whose
-    text changed are listed under the notebook's metadata "not_executed" (ids) until the next
-    execution; they are returned too. The set-up cell is the exception: a set-up cell that becomes the
+    change of prose or of a test cell. A cell new to source/ comes in without outputs, a cell gone from
+    it goes. Refused (ValueError) when the cells both have were reordered, or when a code cell that
+    has outputs changed: that needs executing. Code cells whose text changed or that are new are
+    listed under the notebook's metadata "not_executed" (ids) until the next execution; they are
+    returned too. The set-up cell is the exception: a set-up cell that becomes the
     generated one keeps its outputs, since only its Colab line differs and that line runs on Colab alone.
     """
     path = SOLUTIONS / assignment / f"{assignment}.ipynb"
     executed = nbformat.read(path, as_version=4)
     fresh = solution_cells(assignment)
-    if [(c.cell_type, c.get("id")) for c in executed.cells] != [(c.cell_type, c.get("id")) for c in fresh.cells]:
-        raise ValueError(f"solutions/{assignment}: cells were added, removed or reordered; execute the solution")
+    fresh_ids = {c.get("id") for c in fresh.cells}
+    kept = {c.get("id"): c for c in executed.cells if c.get("id") in fresh_ids}
+    if [(c.cell_type, c.get("id")) for c in executed.cells if c.get("id") in kept] != \
+            [(c.cell_type, c.get("id")) for c in fresh.cells if c.get("id") in kept]:
+        raise ValueError(f"solutions/{assignment}: cells were reordered or changed type; execute the solution")
     changed = []
-    for cell, new in zip(executed.cells, fresh.cells):
+    for new in fresh.cells:
+        cell = kept.get(new.get("id"))
+        if cell is None:  # new in source/: nothing executed yet
+            if new.cell_type == "code":
+                changed.append(new.get("id"))
+            continue
         if cell.source == new.source:
             continue
         if cell.cell_type == "code" and new.source == setup_cell_source() and "runtime.setup()" in cell.source:
@@ -193,6 +202,7 @@ def carry_text(assignment: str) -> list[str]:
                                  "execute the solution")
             changed.append(new.get("id"))
         cell.source = new.source
+    executed.cells = [kept.get(new.get("id"), new) for new in fresh.cells]
     meta = dict(fresh.metadata["flashcourse"])
     not_executed = sorted({*executed.metadata.get("flashcourse", {}).get("not_executed", []), *changed})
     if not_executed:

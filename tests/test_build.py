@@ -133,3 +133,40 @@ def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypa
     nbformat.write(nb, build.source_notebook(assignment))
     with pytest.raises(ValueError, match="has outputs"):
         build.carry_text(assignment)
+
+
+def test_carry_text_takes_new_cells_without_outputs(tmp_path, monkeypatch):
+    """--no-execute: a cell added to source/ comes into the executed solution without outputs and is listed as
+    not executed; a removed cell goes; the outputs of the cells both have stay."""
+    import shutil
+
+    assignment = "01_online_softmax"
+    shutil.copytree(build.source_notebook(assignment).parent, tmp_path / "source" / assignment)
+    monkeypatch.setattr(build, "SOURCE", tmp_path / "source")
+    monkeypatch.setattr(build, "SOLUTIONS", tmp_path / "solutions")
+    executed = build.solution_cells(assignment)
+    shown = next(i for i, c in enumerate(executed.cells) if c.cell_type == "code" and "grade" not in
+                 c.metadata.get("nbgrader", {}))
+    executed.cells[shown].outputs = [nbformat.v4.new_output("stream", name="stdout", text="made on a GPU\n")]
+    solution = tmp_path / "solutions" / assignment / f"{assignment}.ipynb"
+    solution.parent.mkdir(parents=True)
+    nbformat.write(executed, solution)
+
+    nb = _source(assignment)
+    added = nbformat.v4.new_code_cell("print('new')")
+    removed = next(c.id for c in nb.cells[shown + 1:] if c.cell_type == "markdown")
+    nb.cells = [c for c in nb.cells if c.id != removed]
+    nb.cells.insert(shown + 1, added)
+    nbformat.write(nb, build.source_notebook(assignment))
+
+    assert build.carry_text(assignment) == [added.id]
+    after = nbformat.read(solution, as_version=4)
+    assert [c.id for c in after.cells] == [c.id for c in nb.cells]
+    assert after.cells[shown].outputs == executed.cells[shown].outputs
+    assert after.cells[shown + 1].outputs == [] and after.metadata["flashcourse"]["not_executed"] == [added.id]
+    assert build._solution_is_current(assignment)
+
+    nb.cells[shown], nb.cells[shown + 1] = nb.cells[shown + 1], nb.cells[shown]
+    nbformat.write(nb, build.source_notebook(assignment))
+    with pytest.raises(ValueError, match="reordered"):
+        build.carry_text(assignment)

@@ -99,10 +99,7 @@ def _reads_beside_the_package(code: str) -> bool:
     return re.search(r"[\"']solutions\b|__file__\)(\.resolve\(\))?\.parent\.parent", code) is not None
 
 
-@pytest.mark.parametrize("assignment", [
-    pytest.param(a, marks=pytest.mark.xfail(strict=True, reason="04 still reads its GPU figures from solutions/ "
-                                            "(guarded: skipped where missing)")) if a == "04_triton_flash" else a
-    for a in ASSIGNMENTS])
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_notebooks_read_nothing_beside_the_installed_package(assignment):
     """A pip-installed flashcourse has no solutions/ beside it: notebooks read package data (bench.measured)."""
     nb = nbformat.read(build.source_notebook(assignment), as_version=4)

@@ -2,13 +2,15 @@
 
 Shapes are random but seeded, with T and S not multiples of the block sizes. On a CPU they stay
 small (the interpreter runs each program in Python); on a GPU the head dimensions grow to 64 and
-128 and the dtype is the runtime's (bf16, or fp16 without bf16 tensor cores).
+128 and the dtype is the runtime's (bf16, or fp16 without bf16 tensor cores). The warm-up kernels
+work in float32 everywhere.
 """
 
 import random
 
 from flashcourse import kernel_checks as kc
 from flashcourse import runtime
+from flashcourse import warmup_checks as wc
 
 BLOCKS = [(16, 16), (32, 16), (16, 32), (32, 32), (64, 32)]
 
@@ -33,6 +35,47 @@ def _odd(rng, low, high, block):
             return n
 
 
+def test_tile_copy(tile_copy) -> None:
+    """Shapes that divide by the blocks and shapes that do not, several block sizes, a single row and column."""
+    device = runtime.current().device
+    rng = random.Random(36)
+    for block_m, block_n in BLOCKS:
+        shapes = [(m, rng.randint(m, 80)) for m in (rng.randint(1, 70), rng.randint(1, 70))]
+        wc.check_tile_copy(tile_copy, [*shapes, (block_m, 2 * block_n)], block_m=block_m, block_n=block_n,
+                           device=device)
+    wc.check_tile_copy(tile_copy, [(1, 1), (1, 33), (33, 40)], device=device)
+
+
+def test_row_softmax(row_softmax) -> None:
+    """Row lengths of 1, a power of two, and others; scores near 1000 and far below 0."""
+    device = runtime.current().device
+    inputs = [wc.softmax_input(rows, cols, seed=seed) for seed, (rows, cols) in
+              enumerate(((3, 1), (2, 64), (5, 33), (7, 100), (2, 127)))]
+    inputs += [wc.softmax_input(3, 50, seed=9, large=-3000.0), wc.softmax_input(2, 20, seed=10)[:1]]
+    wc.check_row_softmax(row_softmax, inputs, device=device)
+
+
+def test_score_tile(score_tile) -> None:
+    """Several shapes, head dimensions 16 to 64 and block sizes; M and N dividing by no block."""
+    device = runtime.current().device
+    rng = random.Random(37)
+    for block_m, block_n in BLOCKS:
+        shapes = [(rng.randint(1, 70), rng.randint(1, 70), rng.choice((16, 32, 64))) for _ in range(2)]
+        wc.check_score_tile(score_tile, shapes, block_m=block_m, block_n=block_n, seed=rng.randrange(10**6),
+                            device=device)
+
+
+def test_running_stats(running_stats) -> None:
+    """Several shapes and tile sizes, with -inf tiles, empty rows, scores near 1000, N dividing or not."""
+    device = runtime.current().device
+    rng = random.Random(38)
+    for block_m, block_n in BLOCKS:
+        rows, cols = rng.randint(4, 50), rng.randint(2 * block_n + 1, 100)
+        wc.check_running_stats(running_stats, [wc.scores_input(rows, cols, block_n, seed=rng.randrange(10**6)),
+                                               wc.scores_input(rows, 3 * block_n, block_n, seed=rng.randrange(10**6))],
+                               block_m=block_m, block_n=block_n, device=device)
+
+
 def test_validation(flash_attention) -> None:
     """ValueError for D = 24 and 8, Hq % Hkv != 0, and (with a GPU) k and v on another device."""
     rt = runtime.current()
@@ -55,7 +98,7 @@ def test_prefill(flash_attention) -> None:
 
 
 def test_offset(flash_attention) -> None:
-    """Chunked prefill (T < S), decode (T = 1), default and explicit query offsets."""
+    """Chunked prefill (T < S) and decode (T = 1) at the default offset S - T."""
     rt, dims = _setting()
     rng = random.Random(42)
     cases = []
@@ -66,6 +109,12 @@ def test_offset(flash_attention) -> None:
         cases.append(_case(f"decode {block_m}x{block_n}", rng, dims, rt, blocks=(block_m, block_n),
                            batch=2, q_heads=2, kv_heads=2, t=1, s=s))
     kc.check_cases(flash_attention, cases)
+
+
+def test_query_offset(flash_attention) -> None:
+    """Explicit query offsets: 0, in the middle of the cache, and for decode."""
+    rt, dims = _setting()
+    rng = random.Random(46)
     explicit = []
     for t, s, offset in ((7, 60, 20), (1, 45, 30), (33, 70, 5), (1, 50, 0)):
         explicit.append(_case(f"query_offset={offset}", rng, dims, rt, batch=1, q_heads=2, kv_heads=2,
@@ -103,7 +152,7 @@ def test_block_skipping(flash_attention) -> None:
 
 
 def test_window(flash_attention) -> None:
-    """Sliding window: several widths and block sizes, decode, and NaN in the keys before the window."""
+    """Sliding window: several widths and block sizes against reference.attention(window=w)."""
     rt, dims = _setting()
     rng = random.Random(45)
     cases = []
@@ -112,6 +161,12 @@ def test_window(flash_attention) -> None:
         cases.append(_case(f"window {window}", rng, dims, rt, blocks=(block_m, block_n), batch=rng.choice((1, 2)),
                            q_heads=2, kv_heads=2, t=t, window=window))
     kc.check_window(flash_attention, cases)
+
+
+def test_window_skipping(flash_attention) -> None:
+    """Sliding window: NaN in the keys before the window of each block stays unread, decode included."""
+    rt, dims = _setting()
+    rng = random.Random(47)
     skipped = [_case("window, whole tiles before it", rng, dims, rt, blocks=(16, 16), q_heads=2, kv_heads=2,
                      t=10, s=90, window=20),
                _case("window, decode", rng, dims, rt, blocks=(16, 32), q_heads=2, kv_heads=2, t=1, s=77, window=9)]

@@ -16,6 +16,137 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
+def tile_copy_kernel(
+    x_ptr, out_ptr,              # x [M, N] and out [M, N], each with its own strides
+    M, N,                        # rows and columns of x and out
+    stride_xm, stride_xn,        # x's strides over rows and columns (in elements)
+    stride_om, stride_on,        # out's strides over rows and columns
+    BLOCK_M: tl.constexpr,       # rows per program
+    BLOCK_N: tl.constexpr,       # columns per program
+):
+    """Program (pid_m, pid_n) copies the tile x[rows, cols] into out[rows, cols], masked at the edges."""
+    pid_m = tl.program_id(0)     # which block of rows
+    pid_n = tl.program_id(1)     # which block of columns
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BLOCK_N]
+    inside = (rows[:, None] < M) & (cols[None, :] < N)                 # [BLOCK_M, BLOCK_N]
+    tile = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=inside)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on, tile, mask=inside)
+
+
+def tile_copy(x, block_m=16, block_n=16):
+    """Copy x [M, N] with tile_copy_kernel; returns the canvas [M + block_m, N + block_n] whose top-left
+    [M, N] corner is the output (the rest must stay NaN)."""
+    M, N = x.shape
+    # x stored column by column, -1 in the padding after each column: strides (1, M + block_m).
+    columns = torch.full((N + block_n, M + block_m), -1.0, device=x.device, dtype=torch.float32)
+    columns[:N, :M] = x.t()
+    x_by_columns = columns.t()[:M, :N]                              # [M, N], a view
+    canvas = torch.full((M + block_m, N + block_n), float("nan"), device=x.device, dtype=torch.float32)
+    out = canvas[:M, :N]                                            # [M, N], strides (N + block_n, 1)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    tile_copy_kernel[grid](x_by_columns, out, M, N, x_by_columns.stride(0), x_by_columns.stride(1),
+                           out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n)
+    return canvas
+
+
+@triton.jit
+def row_softmax_kernel(
+    x_ptr, out_ptr,              # x [M, N] and out [M, N], each with unit stride along a row
+    N,                           # the length of each row
+    stride_xm, stride_om,        # row strides of x and out
+    BLOCK_N: tl.constexpr,       # a power of two >= N: one block holds a whole row
+):
+    """Program `row` writes the softmax of x[row] into out[row]."""
+    row = tl.program_id(0)                       # one program per row
+    cols = tl.arange(0, BLOCK_N)                 # [BLOCK_N]
+    inside = cols < N                            # [BLOCK_N], False on the lanes past the row
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=inside, other=float("-inf"))   # [BLOCK_N]
+    e = tl.exp(x - tl.max(x, axis=0))                                               # 0 on masked lanes
+    tl.store(out_ptr + row * stride_om + cols, e / tl.sum(e, axis=0), mask=inside)
+
+
+def row_softmax(x):
+    """Softmax of each row of x [M, N] (float32), with row_softmax_kernel: one program per row."""
+    M, N = x.shape
+    x = x.contiguous()
+    out = torch.empty_like(x)                                       # [M, N]
+    row_softmax_kernel[(M,)](x, out, N, x.stride(0), out.stride(0), BLOCK_N=triton.next_power_of_2(N))
+    return out
+
+
+@triton.jit
+def score_tile_kernel(
+    q_ptr, k_ptr, s_ptr,         # q [M, D], k [N, D], s [M, N]: rows contiguous
+    M, N,                        # number of queries and of keys
+    stride_qm, stride_kn, stride_sm,   # row strides of q, k and s
+    scale,                       # 1 / sqrt(D)
+    D: tl.constexpr,             # head dimension, a power of two >= 16
+    BLOCK_M: tl.constexpr,       # queries per program (>= 16 for tl.dot)
+    BLOCK_N: tl.constexpr,       # keys per program (>= 16 for tl.dot)
+):
+    """Program (pid_m, pid_n) writes the [BLOCK_M, BLOCK_N] tile of scaled scores of its queries and keys."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)      # [BLOCK_M] query indices
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # [BLOCK_N] key indices
+    dims = tl.arange(0, D)                              # [D]
+    q = tl.load(q_ptr + rows[:, None] * stride_qm + dims[None, :], mask=rows[:, None] < M, other=0.0)  # [BLOCK_M, D]
+    k = tl.load(k_ptr + keys[:, None] * stride_kn + dims[None, :], mask=keys[:, None] < N, other=0.0)  # [BLOCK_N, D]
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                                       # [BLOCK_M, BLOCK_N]
+    inside = (rows[:, None] < M) & (keys[None, :] < N)
+    tl.store(s_ptr + rows[:, None] * stride_sm + keys[None, :], s, mask=inside)
+
+
+def score_tile(q, k, block_m=16, block_n=16):
+    """Scores q [M, D] k [N, D]^T / sqrt(D) as [M, N] float32, one tile per program of score_tile_kernel."""
+    M, D = q.shape
+    N = k.shape[0]
+    q, k = q.contiguous(), k.contiguous()
+    s = torch.empty(M, N, device=q.device, dtype=torch.float32)     # [M, N]
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    score_tile_kernel[grid](q, k, s, M, N, q.stride(0), k.stride(0), s.stride(0), 1.0 / math.sqrt(D),
+                            D=D, BLOCK_M=block_m, BLOCK_N=block_n)
+    return s
+
+
+@triton.jit
+def running_stats_kernel(
+    s_ptr, m_ptr, l_ptr,         # s [M, N] scores (-inf where hidden), m [M] and l [M] out, FP32
+    M, N,                        # rows and keys
+    stride_sm,                   # row stride of s
+    BLOCK_M: tl.constexpr,       # rows per program
+    BLOCK_N: tl.constexpr,       # keys per step of the loop
+):
+    """Program `pid` walks its BLOCK_M rows of s one key tile at a time and stores m = max, l = sum exp(s - m)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)          # [BLOCK_M]
+    row_ok = rows < M
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)    # running maximum per row
+    l = tl.zeros((BLOCK_M,), tl.float32)                  # running sum of exp(s - m)
+    for n0 in range(0, N, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)                 # [BLOCK_N]
+        inside = row_ok[:, None] & (keys[None, :] < N)    # [BLOCK_M, BLOCK_N]
+        s = tl.load(s_ptr + rows[:, None] * stride_sm + keys[None, :], mask=inside, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)    # rows that have seen no score yet
+        l = l * tl.exp(m - ref) + tl.sum(tl.exp(s - ref[:, None]), axis=1)
+        m = m_new
+    tl.store(m_ptr + rows, m, mask=row_ok)
+    tl.store(l_ptr + rows, l, mask=row_ok)
+
+
+def running_stats(s, block_m=16, block_n=16):
+    """(m [M], l [M]) of the scores s [M, N]: each row's maximum and sum of exp(s - m), over key tiles."""
+    M, N = s.shape
+    s = s.contiguous()
+    m = torch.empty(M, device=s.device, dtype=torch.float32)
+    l = torch.empty(M, device=s.device, dtype=torch.float32)
+    running_stats_kernel[(triton.cdiv(M, block_m),)](s, m, l, M, N, s.stride(0), BLOCK_M=block_m, BLOCK_N=block_n)
+    return m, l
+
+
+@triton.jit
 def flash_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,              # q [B, Hq, T, D], k and v [B, Hkv, S, D], o [B, Hq, T, D]
     stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query (D is contiguous)
@@ -44,13 +175,13 @@ def flash_fwd_kernel(
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)        # [BLOCK_M] query indices
     cols = tl.arange(0, D)                                # [D]
     row_ok = rows < T
-    q_pos = offset + rows                                 # [BLOCK_M] absolute positions
-
     q_base = q_ptr + b * stride_qb + h * stride_qh
     q = tl.load(q_base + rows[:, None] * stride_qt + cols[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
     k_base = k_ptr + b * stride_kb + kv_h * stride_kh
     v_base = v_ptr + b * stride_vb + kv_h * stride_vh
 
+    # 1. positions and state; 2. loop bounds.
+    q_pos = offset + rows                                 # [BLOCK_M] absolute positions
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)   # running maximum per row
     l = tl.zeros((BLOCK_M,), tl.float32)                  # running sum of exp(s - m)
     acc = tl.zeros((BLOCK_M, D), tl.float32)              # running sum of exp(s - m) * v
@@ -60,7 +191,7 @@ def flash_fwd_kernel(
     stop = tl.minimum(S, offset + last_row + 1)
     start = 0
     if WINDOWED:
-        # The first query sees nothing before q_pos - window + 1: skip whole tiles before it.
+        # The first query sees nothing before its position - window + 1: skip whole tiles before it.
         first_key = tl.maximum(offset + block * BLOCK_M - window + 1, 0)
         start = (first_key // BLOCK_N) * BLOCK_N
     for n0 in range(start, stop, BLOCK_N):
@@ -68,6 +199,7 @@ def flash_fwd_kernel(
         key_ok = keys < S
         k = tl.load(k_base + keys[:, None] * stride_ks + cols[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_base + keys[:, None] * stride_vs + cols[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        # 3. scores, mask, and the online-softmax update of m, l and acc.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale                                     # [BLOCK_M, BLOCK_N]
         visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
         if WINDOWED:
@@ -80,8 +212,9 @@ def flash_fwd_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
+    # 4. normalize.
     l = tl.where(row_ok, l, 1.0)                              # padding rows past T may have seen nothing
-    o = acc / l[:, None]
+    o = acc / l[:, None]                                      # [BLOCK_M, D]
     o_base = o_ptr + b * stride_ob + h * stride_oh
     tl.store(o_base + rows[:, None] * stride_ot + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -93,19 +226,19 @@ def flash_attention(q, k, v, query_offset=None, block_m=32, block_n=32, window=N
     tokens); key j at position j. With `window`, a query sees only its `window` latest positions.
     Other keyword arguments go to the launch: num_warps, num_stages, DOT_PRECISION.
     """
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
     batch, q_heads, t, d = q.shape
     _, kv_heads, s, _ = k.shape
-    if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch or k.shape[3] != d:
-        raise ValueError(f"expected k and v of shape [{batch}, Hkv, S, {d}], got {list(k.shape)} and {list(v.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
     if d < 16 or d & (d - 1):
         raise ValueError(f"the head dimension must be a power of two >= 16 (tl.dot and tl.arange need it), got {d}")
+    offset = s - t if query_offset is None else int(query_offset)
+    if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(f"expected k and v of shape [{batch}, Hkv, S, {d}], got {list(k.shape)} and {list(v.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"window must be at least 1, got {window}")
-    offset = s - t if query_offset is None else int(query_offset)
     if offset < 0:
         raise ValueError(f"query_offset={offset} puts query 0 before key 0: it would see no key")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
