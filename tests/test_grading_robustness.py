@@ -22,8 +22,8 @@ from conftest import SAMPLES
 pytestmark = pytest.mark.slow
 ASSIGNMENT = "01_online_softmax"
 NOTEBOOK = f"{ASSIGNMENT}.ipynb"
-FULL = {"test_tile_update": 3, "test_online_softmax": 3, "test_merge_states": 2}
-WRONG = {"test_tile_update": 0, "test_online_softmax": 0, "test_merge_states": 2}  # l not rescaled
+FULL = json.loads((SAMPLES / "expected" / f"{ASSIGNMENT}.json").read_text())["alt_correct"]
+WRONG = json.loads((SAMPLES / "expected" / f"{ASSIGNMENT}.json").read_text())["bug_l_not_rescaled"]  # l not rescaled
 ZERO = dict.fromkeys(FULL, 0)
 CELL_TIMEOUT_S = 30
 
@@ -170,7 +170,7 @@ CASES = {
     "warns_on_stderr": ({NOTEBOOK: in_tile_update(CORRECT, 'import warnings; warnings.warn("a harmless warning")')},
                         FULL, None),
     "loops_forever": ({NOTEBOOK: in_tile_update(CORRECT, "while True: pass")},
-                      {"test_tile_update": 0, "test_online_softmax": 0, "test_merge_states": 2}, "time limit"),
+                      WRONG, "time limit"),             # every cell that calls tile_update loses its points
     "asks_for_input": ({NOTEBOOK: with_cell(CORRECT, "name = input('your name? ')")}, FULL, None),
     "huge_output": ({NOTEBOOK: with_cell(CORRECT, "print('x' * 50_000_000)")}, FULL, None),
     "allocates_64_gib": ({NOTEBOOK: with_cell(CORRECT, "import torch\nblock = torch.ones(64 << 30, dtype=torch.uint8)")},
@@ -183,7 +183,7 @@ CASES = {
     "missing_notebook": ({}, ZERO, "no 01_online_softmax.ipynb was submitted"),
     "correct_neighbour": ({NOTEBOOK: CORRECT}, FULL, None),
     "mentions_any_word": ({NOTEBOOK: with_cell(CORRECT, HONEST_MENTIONS)}, FULL, None),
-    # hostile, on a wrong answer: never more than its 2 points
+    # hostile, on a wrong answer: never more than its merge_states points
     "patches_checks": ({NOTEBOOK: with_cell(BUGGY, PATCH_CHECKS)}, WRONG, None),
     "patches_allclose": ({NOTEBOOK: with_cell(BUGGY, PATCH_ALLCLOSE)}, WRONG, None),
     "input_transformer": ({NOTEBOOK: with_cell(BUGGY, TRANSFORMER)}, ZERO, None),

@@ -35,5 +35,5 @@ def test_blank_release_of_01_fails_only_in_its_tests(tmp_path):
     first_test = next(i for i, c in enumerate(code) if is_test_cell(c))
     explorer = next(i for i, c in enumerate(code) if "widgets.tile_explorer()" in c.source)
     assert explorer < first_test, "the explorer must come before the first test, where Run All stops"
-    said = ["".join(o.get("text", "") for o in c.outputs) for c in code if "state_plot(update=tile_update)" in c.source]
+    said = ["".join(o.get("text", "") for o in c.outputs) for c in code if 'state_plot(update="tile_update")' in c.source]
     assert said == [widgets.NOT_WRITTEN + "\n"]

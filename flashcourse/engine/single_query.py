@@ -10,7 +10,7 @@ def online_attention_single(q, k, v, S, d, tile):
     """softmax(q k^T / sqrt(d)) v for one query and one head, reading `tile` keys at a time.
 
     q: d floats; k, v: S * d floats (key j is k[j * d:(j + 1) * d]). Returns d floats. The plain
-    Python twin of the chapter's C++ and Rust online_attention.
+    Python twin of the C++ and Rust online_attention above.
     """
     scale = 1.0 / math.sqrt(d)
     m, l = -math.inf, 0.0
