@@ -1,0 +1,128 @@
+"""The Triton backward kernels of 06 under Triton's interpreter on a CPU, in float32: gradients against
+torch.autograd on the float64 reference, on small irregular shapes."""
+
+import math
+
+import pytest
+import torch
+
+from flashcourse import reference, runtime
+from flashcourse.bench_backward import engine
+
+RT = runtime.current()
+pytestmark = pytest.mark.skipif(not RT.interpret, reason="the interpreter's float32 run; the GPU has its own tests")
+bw = engine()
+RTOL, ATOL = 1e-4, 1e-5   # float32 kernels against float64 autograd (errors seen: below 1e-6)
+
+
+def _inputs(batch, q_heads, kv_heads, t, s, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, t, d, generator=gen)
+    k = torch.randn(batch, kv_heads, s, d, generator=gen)
+    v = torch.randn(batch, kv_heads, s, d, generator=gen)
+    do = torch.randn(batch, q_heads, t, d, generator=gen)
+    return q, k, v, do
+
+
+def _reference(q, k, v, do, offset, causal=True):
+    """(o, lse, dq, dk, dv) in float64: reference.attention and its autograd, queries at offset + i."""
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    positions = offset + torch.arange(q.shape[2])
+    o = reference.attention(*leaves, query_positions=positions, causal=causal)
+    group = q.shape[1] // k.shape[1]
+    scores = leaves[0] @ leaves[1].repeat_interleave(group, 1).transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(~reference.visible_mask(q, k, query_positions=positions), -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    return (o.detach(), lse.detach(), *torch.autograd.grad(o, leaves, do.double()))
+
+
+def _check(got, want, names=("o", "lse", "dq", "dk", "dv")):
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(a.double(), b, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+CASES = {  # batch, Hq, Hkv, T, S, D, query_offset, causal
+    "odd T and S, GQA 2": (2, 4, 2, 45, 51, 32, None, True),
+    "T > S, GQA 4": (1, 4, 1, 37, 21, 16, 0, True),
+    "chunked prefill, custom offset": (1, 2, 1, 23, 50, 16, 9, True),
+    "not causal, T != S": (1, 2, 2, 33, 19, 16, None, False),
+    "decode, one query": (2, 4, 2, 1, 29, 16, None, True),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gradients(name):
+    """o, lse, dq, dk and dv against float64 autograd: odd T and S, GQA, query offsets, not causal, decode."""
+    batch, q_heads, kv_heads, t, s, d, offset, causal = CASES[name]
+    q, k, v, do = _inputs(batch, q_heads, kv_heads, t, s, d)
+    o, lse = bw.flash_attention_lse(q, k, v, offset, causal)
+    dq, dk, dv = bw.flash_attention_backward(q, k, v, o, lse, do, offset, causal)
+    want = _reference(q, k, v, do, s - t if offset is None else offset, causal)
+    assert lse.dtype == torch.float32 and lse.shape == (batch, q_heads, t)
+    assert [g.shape for g in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
+    _check((o, lse, dq, dk, dv), want)
+
+
+def test_rows_that_see_no_key():
+    """query_offset = -13: the first 13 queries see no key: o = 0, lse = -inf, dq = 0, no NaN anywhere."""
+    q, k, v, do = _inputs(1, 2, 1, 40, 30, 16)
+    o, lse = bw.flash_attention_lse(q, k, v, -13)
+    dq, dk, dv = bw.flash_attention_backward(q, k, v, o, lse, do, -13)
+    assert torch.equal(lse[:, :, :13], torch.full((1, 2, 13), -math.inf))
+    assert not o[:, :, :13].any() and not dq[:, :, :13].any()
+    assert not any(torch.isnan(x).any() for x in (o, lse[:, :, 13:], dq, dk, dv))
+    # the other queries sit at positions 0..26: the reference on them alone (blind rows add nothing to dk, dv)
+    want = _reference(q[:, :, 13:], k, v, do[:, :, 13:], 0)
+    _check((o[:, :, 13:], lse[:, :, 13:], dq[:, :, 13:], dk, dv), want)
+
+
+def test_atomic_dq():
+    """dq accumulated with atomics inside the dK/dV kernel matches the separate dQ kernel's."""
+    q, k, v, do = _inputs(2, 4, 2, 45, 51, 32)
+    o, lse = bw.flash_attention_lse(q, k, v)
+    separate = bw.flash_attention_backward(q, k, v, o, lse, do)
+    atomic = bw.flash_attention_backward(q, k, v, o, lse, do, atomic_dq=True)
+    for a, b in zip(separate, atomic):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_delta_rows_past_t():
+    """Δ = rowsum(dO ∘ O) for T = 19 in blocks of 64: the rows past T are neither read nor written."""
+    o, do = (torch.randn(2, 3, 19, 32, generator=torch.Generator().manual_seed(i)) for i in (1, 2))
+    delta = bw.backward_delta(o, do)
+    assert delta.shape == (2, 3, 19) and delta.dtype == torch.float32
+    torch.testing.assert_close(delta.double(), (o.double() * do.double()).sum(-1), rtol=RTOL, atol=ATOL)
+
+
+def test_loss_backward_through_train():
+    """loss.backward() through flash_attention_train gives autograd's gradients; the default offset is S - T."""
+    q, k, v, do = _inputs(1, 4, 2, 21, 21, 16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    (bw.flash_attention_train(*leaves) * do).sum().backward()
+    want = _reference(q, k, v, do, 0)
+    _check([x.grad for x in leaves], want[2:], names=("dq", "dk", "dv"))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            is_causal=True)
+    torch.testing.assert_close(bw.flash_attention_train(q, k, v), sdpa, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("shape, why", [((1, 2, 8, 24), "D = 24 is not a power of two"),
+                                        ((1, 2, 8, 8), "D = 8 is below 16"),
+                                        ((1, 3, 8, 16), "Hq = 3 is not a multiple of Hkv = 2")])
+def test_validation(shape, why):
+    """ValueError before anything is launched."""
+    q = torch.randn(shape)
+    k = torch.randn(1, 2, 8, shape[-1])
+    with pytest.raises(ValueError):
+        bw.flash_attention_train(q, k, k)
+    with pytest.raises(ValueError):
+        bw.flash_attention_backward(q, k, k, q, torch.zeros(shape[:3]), q)
+
+
+def test_lse_shape_checked():
+    """flash_attention_backward refuses an lse that is not [B, Hq, T]."""
+    q, k, v, do = _inputs(1, 2, 1, 8, 8, 16)
+    o, lse = bw.flash_attention_lse(q, k, v)
+    with pytest.raises(ValueError, match="lse"):
+        bw.flash_attention_backward(q, k, v, o, lse[..., None], do)
