@@ -379,9 +379,9 @@ def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True
     dQ comes from a kernel of its own, which walks each query block's keys as the forward pass does:
     nothing is written twice, so dq is the same bit for bit on every run. atomic_dq=True instead adds
     each key block's share into an FP32 dq with atomics inside the dK/dV kernel: one kernel fewer, but
-    its order of additions (so its rounding) changes from run to run, and it was measured slower on
-    the H200 (bf16, causal, D = 128: 109 against 254 TFLOP/s at T = 1k, 170 against 381 at T = 16k),
-    the atomics' traffic to dq costing more than recomputing P in a second kernel.
+    its order of additions (so its rounding) changes from run to run, and it measured 2.2 to 2.4 times
+    slower on the H200 (bf16, causal, D = 128, T = 1k to 16k: flashcourse/measured/backward.json), the
+    atomics' traffic to dq costing more than recomputing P and dP in a second kernel.
     """
     _check_inputs(q, k, v)
     B, Hq, T, D = q.shape
