@@ -10,7 +10,8 @@ from flashcourse import kernel_checks as kc
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")]
 
-HIDDEN = ["test_validation", "test_prefill", "test_offset", "test_gqa", "test_block_skipping", "test_window"]
+HIDDEN = ["test_validation", "test_prefill", "test_offset", "test_query_offset", "test_gqa", "test_block_skipping",
+          "test_window", "test_window_skipping"]
 
 
 @pytest.fixture(scope="module")
