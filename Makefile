@@ -2,7 +2,8 @@
 #   make demo    build, grade the sample submissions, print the table (grades.csv and feedback in build/demo)
 #   make test    the whole test suite (what CI runs)
 #   make build   regenerate notebooks/, solutions/ and flashcourse/engine/ from source/
-#   make lab     open JupyterLab on notebooks/
+#   make lab     open the learner's JupyterLab on notebooks/ (nbgrader's instructor tools switched off)
+#   make instructor-lab   open JupyterLab on the course root, with nbgrader's formgrader and Create Assignment
 #   make grade SUBMISSIONS=dir   grade a folder laid out as submitted/<student>/<assignment>/
 
 PYTHON ?= python3
@@ -12,7 +13,12 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 SUBMISSIONS ?= submitted
 
-.PHONY: install demo test build lab grade clean
+# The learner's JupyterLab: jupyter/learner turns nbgrader's server and lab extensions off (formgrader,
+# Create Assignment, the Nbgrader menu). JUPYTER_CONFIG_PATH puts it before the environment's own
+# configuration, for that command only; nothing is uninstalled, and instructor-lab keeps them.
+LEARNER_LAB := JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter/learner
+
+.PHONY: install demo test build lab instructor-lab grade clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,7 +40,10 @@ build: $(BIN)/.installed
 	$(BIN)/python -m autograder build
 
 lab: $(BIN)/.installed
-	$(BIN)/jupyter lab notebooks/
+	$(LEARNER_LAB) $(BIN)/jupyter lab notebooks/
+
+instructor-lab: $(BIN)/.installed
+	$(BIN)/jupyter lab
 
 grade: $(BIN)/.installed
 	$(BIN)/python -m autograder grade $(SUBMISSIONS)

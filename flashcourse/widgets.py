@@ -212,9 +212,9 @@ def state_table(step: recurrence.TileStep, n_tiles: int, true_output: float,
     def wide(cls: str, text: str) -> str:
         return f'<td class="{cls} fc-wide" colspan="3">{html.escape(text)}</td>' + ("<td></td>" if compare else "")
 
-    def rescaled(cls: str, x: float | None) -> str:
+    def rescaled(cls: str, x: float | None, correct_x: float | None) -> str:
         """The × α column: what the code shown did to the old value; empty where that is not seen."""
-        return "<td></td>" if x is None else num(cls, x)
+        return "<td></td>" if x is None else num(cls, x, correct_x if compare else None)
 
     def want(cls: str, x: float) -> str:
         return f'<td class="fc-want {cls}">{html.escape(_num(x))}</td>' if compare else ""
@@ -232,10 +232,11 @@ def state_table(step: recurrence.TileStep, n_tiles: int, true_output: float,
         row(f"<i>p</i> = exp({s} − {m}<sub>new</sub>)", wide("fc-p", _nums(step.p))),
         row("tile values <i>v</i>", wide("fc-values", _nums(step.values))),
         row("<i>p</i>·<i>v</i>", wide("fc-pv", _nums([pj * vj for pj, vj in zip(step.p, step.values)]))),
-        row("<i>l</i> = α·<i>l</i> + Σ<i>p</i>", num("fc-l-old", step.l_old) + rescaled("fc-l-rescaled", step.l_rescaled)
+        row("<i>l</i> = α·<i>l</i> + Σ<i>p</i>", num("fc-l-old", step.l_old)
+            + rescaled("fc-l-rescaled", step.l_rescaled, c.l_rescaled)
             + num("fc-l", step.l_new, c.l_new if compare else None) + want("fc-want-l", c.l_new)),
         row("<i>a</i> = α·<i>a</i> + Σ<i>p</i>·<i>v</i>", num("fc-a-old", step.a_old)
-            + rescaled("fc-a-rescaled", step.a_rescaled)
+            + rescaled("fc-a-rescaled", step.a_rescaled, c.a_rescaled)
             + num("fc-a", step.a_new, c.a_new if compare else None) + want("fc-want-a", c.a_new)),
         row("partial output <i>a</i> / <i>l</i>", num("fc-output-old", _ratio(step.a_old, step.l_old)) + "<td></td>"
             + num("fc-output", step.output, c.output if compare else None) + want("fc-want-output", c.output),
@@ -652,8 +653,9 @@ def _row_explorer(rows: Callable[[int], tuple[list[float], list[float]]], n_rows
                 steps = learner_trace(update, scores, values, size)
             except Exception as error:  # the learner's code: any failure becomes a message, never a crash
                 steps, status = correct, (f"{_failure(error)}: showing the correct recurrence", MAX_NEW)
-                note = (f'<b style="color:{MAX_NEW};">{html.escape(_failure(error))}</b> '
-                        f"({html.escape(type(error).__name__)}: {html.escape(str(error)) or 'no message'}). "
+                # The error's own words, where they add to _failure's.
+                said = "" if isinstance(error, NotDefinedYet) or not str(error) else f" ({str(error)})"
+                note = (f'<b style="color:{MAX_NEW};">{html.escape(_failure(error))}</b>{html.escape(said)}. '
                         f"Write or fix tile_update in Exercise 1, run its cell, then {again}. Meanwhile the "
                         "picture shows the correct recurrence.")
             else:

@@ -1,10 +1,13 @@
-"""The tile explorer as a learner meets it: JupyterLab serving the released notebook 01, in headless Chromium.
+"""The tile explorer as a learner meets it: the learner's JupyterLab serving the released notebook 01, in
+headless Chromium.
 
-JupyterLab runs on a free localhost port with a random token, on a temporary copy of
+JupyterLab runs as `make lab` runs it (with the environment that command sets: nbgrader's instructor
+tools off), on a free localhost port with a random token, on a temporary copy of
 notebooks/01_online_softmax. Playwright drives Debian's /usr/bin/chromium (`bash .ci/browser-setup.sh`
-installs both). The test runs the set-up cell and the worked-example explorer, moves the tile slider
-with the keyboard, picks a bug in the menu, and checks the numbers the panel shows. Screenshots go to
-test-artifacts/.
+installs both). The test checks that no nbgrader menu or formgrader is served, runs the set-up cell and
+the worked-example explorer, moves the tile slider with the keyboard, checks the numbers and values the
+panel shows, picks a bug in the menu, and runs the explorer of the learner's tile_update before and
+after the cell that defines it. Screenshots go to test-artifacts/.
 """
 
 import json
@@ -44,6 +47,19 @@ pytestmark = [pytest.mark.slow,
                                  reason=f"needs {MISSING}: bash .ci/browser-setup.sh installs them")]
 
 
+def _learner_lab_environment() -> dict[str, str]:
+    """The variables `make lab` sets for JupyterLab (read from `make -n lab`, so the two cannot drift)."""
+    dry_run = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    settings = {}
+    for word in next(line for line in dry_run.splitlines() if "jupyter lab" in line).split():
+        name, equals, value = word.partition("=")
+        if not (equals and name.isidentifier()):
+            break                                   # the command itself, after its leading NAME=value words
+        settings[name] = value
+    assert settings, f"`make lab` should configure the learner's JupyterLab: {dry_run}"
+    return settings
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +88,7 @@ def lab(tmp_path):
     _settings(tmp_path / "settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "IPYTHONDIR": str(tmp_path / "ipython"), "PYTHONPATH": str(ROOT)}
+           "IPYTHONDIR": str(tmp_path / "ipython"), "PYTHONPATH": str(ROOT), **_learner_lab_environment()}
     log = (tmp_path / "lab.log").open("w")
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
@@ -157,6 +173,19 @@ def test_tile_explorer_in_jupyterlab(lab, tmp_path):
             _wait_for_kernel(url, token, NOTEBOOK.name)
             expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_be_visible()
 
+            # The learner's JupyterLab: nbgrader is installed here, yet neither its menu nor its formgrader is served.
+            assert (Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "@jupyter" / "nbgrader").is_dir()
+            menus = page.locator("#jp-MainMenu .lm-MenuBar-itemLabel")
+            expect(menus.filter(has_text="File")).to_have_count(1)
+            labels = [x.strip().lower() for x in menus.all_inner_texts()]
+            assert "nbgrader" not in labels, f"the learner's JupyterLab shows nbgrader's menu: {labels}"
+            try:
+                urllib.request.urlopen(f"{url}/formgrader?token={token}", timeout=10).close()
+                pytest.fail("the learner's JupyterLab serves nbgrader's formgrader")
+            except urllib.error.HTTPError as error:
+                assert error.code == 404
+            page.screenshot(path=ARTIFACTS / "learner-lab-menus.png", clip={"x": 0, "y": 0, "width": 1280, "height": 120})
+
             setup = _run_cell(page, "runtime.setup()")
             expect(setup.locator(".jp-OutputArea-output")).to_contain_text("flashcourse:", timeout=START_S * 1000)
 
@@ -179,6 +208,9 @@ def test_tile_explorer_in_jupyterlab(lab, tmp_path):
             assert _state(explorer) == {"tile": "2", "m": "2", "alpha": "0.3679", "l": "1.5530", "a": "2.8915",
                                         "output": "1.8619"}
             assert explorer.locator(".fc-panel .fc-true").inner_text() == "1.8619"
+            # The values beside the scores: a's tile part 1.1494 = 1 * 1 + 0.0498 * 3.
+            assert explorer.locator(".fc-panel .fc-values").inner_text() == "[1, 3]"
+            assert explorer.locator(".fc-panel .fc-pv").inner_text() == "[1, 0.1494]"
             explorer.screenshot(path=ARTIFACTS / "tile-explorer-2-after-tile-2.png")
 
             # Inject a classic bug: l is no longer rescaled, and the panel marks the wrong numbers.
@@ -189,7 +221,22 @@ def test_tile_explorer_in_jupyterlab(lab, tmp_path):
             expect(explorer.locator(".fc-panel .fc-l")).to_have_text("2.4177")
             expect(explorer.locator(".fc-panel .fc-want-l")).to_have_text("1.5530")
             expect(explorer.locator(".fc-panel .fc-output.fc-wrong")).to_have_text("1.1960")
+            # The × α column shows what the buggy code did: l kept as it was.
+            expect(explorer.locator(".fc-panel .fc-l-rescaled")).to_have_text("1.3679")
             explorer.screenshot(path=ARTIFACTS / "tile-explorer-3-bug-l-not-rescaled.png")
+
+            # The explorer of the learner's tile_update, run before the cell that defines it: it says so.
+            yours = _run_cell(page, 'widgets.tile_explorer(update="tile_update")').locator(".fc-explorer")
+            expect(yours.locator(".fc-panel .fc-note")).to_contain_text("tile_update is not defined yet", timeout=START_S * 1000)
+            expect(yours.locator(".fc-panel .fc-l")).to_have_text("1.3679")          # the correct recurrence meanwhile
+            yours.screenshot(path=ARTIFACTS / "tile-explorer-4-yours-not-defined.png")
+            # Its cell run (still the stub): a move of the slider finds it, and the explorer says it is not written.
+            _run_cell(page, "def tile_update(m, l, a, scores, values):")
+            slider = yours.locator(".widget-slider").filter(has_text="after tile")
+            slider.locator(".noUi-handle").focus()
+            page.keyboard.press("ArrowRight")
+            expect(yours.locator(".fc-panel .fc-note")).to_contain_text("your tile_update is not written yet")
+            yours.screenshot(path=ARTIFACTS / "tile-explorer-5-yours-not-written.png")
         except Exception:
             page.screenshot(path=ARTIFACTS / "tile-explorer-failure.png", full_page=True)
             raise

@@ -206,6 +206,7 @@ def test_tile_explorer_bug_selector_shows_the_wrong_numbers(bug):
     skipped = {"l_not_rescaled": ["l"], "a_not_rescaled": ["a"], "per_tile_softmax": ["l", "a"]}[bug]
     for name, bars, old, rescaled in (("l", l_bars, wrong.l_old, wrong.l_rescaled), ("a", a_bars, wrong.a_old, wrong.a_rescaled)):
         assert bars.patches[1].get_height() == pytest.approx(rescaled)
+        assert (f'class="fc-{name}-rescaled fc-wrong"' in explorer.panel.value) == (name in skipped)
         assert (bars.get_xticklabels()[1].get_text() == "not × α") == (name in skipped)
         assert (rescaled == old) == (name in skipped)
 
