@@ -65,3 +65,42 @@ def test_checks_name_the_classic_kernel_bugs():
     reads_all = lambda q, k, v, **kw: flash_attention(q, k, v, **kw) + 0 * v.sum()  # noqa: E731
     with pytest.raises(AssertionError, match="NaN"):
         kc.check_block_skipping(reads_all, [c])
+
+
+def _release_cell(grade_id):
+    import nbformat
+
+    from autograder import build
+
+    nb = nbformat.read(build.RELEASE / "04_triton_flash" / "04_triton_flash.ipynb", as_version=4)
+    return next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+
+
+def test_release_gives_the_plumbing_and_leaves_the_loop():
+    """The released kernel keeps program ids, pointers, masked loads and the store; the positions, state,
+    loop bounds, recurrence and normalization are the learner's (three stubs), as are the wrapper's checks."""
+    kernel = _release_cell("flash_fwd_kernel")
+    for given in ("tl.program_id(0)", "kv_h = h // group", "mask=row_ok[:, None], other=0.0",
+                  "for n0 in range(start, stop, BLOCK_N):", "mask=key_ok[:, None], other=0.0", "tl.store(o_base"):
+        assert given in kernel, f"the release should give {given!r}"
+    for written in ("q_pos = offset + rows", "stop = ", "tl.dot(", "tl.exp(", "acc / l"):
+        assert written not in kernel, f"the release gives away {written!r}"
+    assert kernel.count("raise NotImplementedError()") == 3
+    wrapper = _release_cell("flash_attention")
+    assert "flash_fwd_kernel[grid](" in wrapper and "raise NotImplementedError()" in wrapper
+    assert "q_heads % kv_heads" not in wrapper and "query_offset is None" not in wrapper
+
+
+def test_measurements_04_reads_are_installed():
+    """Every bench.measured(...) file 04's cells read ships in flashcourse/measured."""
+    import re
+
+    import nbformat
+
+    from autograder import build
+    from flashcourse import bench
+
+    nb = nbformat.read(build.source_notebook("04_triton_flash"), as_version=4)
+    names = re.findall(r'bench\.measured\("([^"]+)"\)', "\n".join(c.source for c in nb.cells if c.cell_type == "code"))
+    assert sorted(names) == ["triton_flash_sweep.png", "triton_flash_tf32.json"]
+    assert all(bench.measured(name) for name in names)
