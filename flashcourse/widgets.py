@@ -376,8 +376,10 @@ def tile_figure(steps: list[recurrence.TileStep], current: int, true_output: flo
     ax.set_xlim(-0.6, len(scores) - 0.4)
     if len(scores) <= _VALUES_SHOWN:
         # Each score's value under its index, so that a's "+ tile" bar can be checked by eye: sum of p * v.
-        ax.set_xticks(range(len(scores)), [f"{j}\nv = {_short(v)}" for j, v in enumerate(values)])
-        x_label = f"{x_label}, and its value v"
+        named = len(scores) <= 6                       # room for "v = " before each value
+        ax.set_xticks(range(len(scores)), [f"{j}\n{'v = ' if named else ''}{_short(v)}" for j, v in enumerate(values)],
+                      fontsize=8.5)
+        x_label = f"{x_label}, and its value v" + ("" if named else " under it")
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(x_label, fontsize=9.5)

@@ -307,6 +307,22 @@ def _overflow(fig) -> list[float]:
     return [round(x, 3) for x in (-drawn.x0, -drawn.y0, drawn.x1 - width, drawn.y1 - height)]
 
 
+def test_values_under_the_scores_do_not_overlap():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 6, generator=g), torch.randn(10, 6, generator=g), torch.randn(10, 6, generator=g) * 3
+    scores, _ = _random_row(random.Random(4), widgets._VALUES_SHOWN)
+    for explorer, n in ((widgets.attention_row_explorer(q, k, v, tile=3), 10),
+                        (widgets.tile_explorer(scores, [-88.88] * len(scores)), widgets._VALUES_SHOWN)):
+        fig = explorer.figure
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        ticks = [t for t in fig.axes[0].get_xticklabels() if t.get_text()]
+        assert len(ticks) == n and all("\n" in t.get_text() for t in ticks)     # index, then value
+        boxes = [t.get_window_extent(renderer) for t in ticks]
+        assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in ticks]
+
+
 @pytest.mark.parametrize("update, choice", [(None, "correct"), (None, "l_not_rescaled"), (None, "per_tile_softmax"),
                                             (_stub, "yours"), ("tile_update", "yours"),
                                             (lambda m, l, a, s, v: 1 / 0, "yours")])
