@@ -112,3 +112,27 @@ def test_no_misnamed_mistake_for_an_unknown_bug(tmp_path):
         _check("row_softmax", off.row_softmax)
     text = str(failure.value)
     assert "out[0, 0]" in text and not any(w in text for w in ("masked lanes", "maximum", "division"))
+
+
+@pytest.mark.slow
+def test_blank_release_first_fails_at_the_first_warmup_test(tmp_path):
+    """Run All on the unwritten 04: every cell before the first test runs (the masked load and store shown
+    under the interpreter, the specs), and each warm-up test fails with NotImplementedError, not another error."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from autograder import build
+    from autograder.preprocessors import is_test_cell
+
+    nb = nbformat.read(build.RELEASE / "04_triton_flash" / "04_triton_flash.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    first_test = next(i for i, c in enumerate(code) if is_test_cell(c))
+    raised = [i for i, c in enumerate(code) if any(o.output_type == "error" for o in c.outputs)]
+    assert raised and raised[0] == first_test, f"cells {raised} raise; the first test is cell {first_test}"
+    shown = "".join(o.get("text", "") for c in code[:first_test] for o in c.outputs)
+    assert "lanes 5..7 got other=-1.0" in shown and "def tile_copy_spec" in shown
+    warmups = [c for c in code if c.metadata.get("nbgrader", {}).get("grade_id", "") in
+               {"test_tile_copy", "test_row_softmax", "test_score_tile", "test_running_stats"}]
+    assert [o.ename for c in warmups for o in c.outputs if o.output_type == "error"] == ["NotImplementedError"] * 4
