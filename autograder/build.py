@@ -14,6 +14,11 @@ One cell of source/ is generated too: the set-up cell every notebook starts with
 Colab it installs the course's package from the one place pyproject.toml names, [project.urls]
 Repository, pinned to the tag of the release the notebook belongs to (v<version>); `build` writes it
 into source/ (setup_cell_source), and `build --check` fails when a notebook's differs.
+
+The figures the text quotes are generated as well: `build` rewrites each value quoted as
+`541<!--fig:name-->` in source/ from the measurement it names (autograder/figures.py), before the release
+and again after a solution is executed (03 quotes its own measured memory), and `build --check` fails
+when a quoted value differs from its source.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from pathlib import Path
 import nbformat
 
 from . import ROOT
+from .figures import problems as figure_problems
+from .figures import write_figures
 from .preprocessors import generated_note
 
 SOURCE = ROOT / "source"
@@ -219,6 +226,8 @@ def build(only: list[str] | None = None, execute_solutions: bool = True) -> None
             print(f"build: {assignment}", flush=True)
             if write_setup_cell(assignment):
                 print(f"build: wrote the set-up cell generated from pyproject.toml into source/{assignment}", flush=True)
+            if write_figures(source_notebook(assignment)):
+                print(f"build: wrote the quoted figures of source/{assignment} from their results", flush=True)
             release(assignment, RELEASE, Path(tmp) / "gradebook.db")
             text = engine_source(assignment)
             if text:
@@ -230,6 +239,11 @@ def build(only: list[str] | None = None, execute_solutions: bool = True) -> None
                 out.mkdir(parents=True, exist_ok=True)
                 print(f"build: executing the solution of {assignment}", flush=True)
                 nbformat.write(execute(solution_cells(assignment), out), out / f"{assignment}.ipynb")
+                if write_figures(source_notebook(assignment)):
+                    # Figures the solution has just measured: only markdown changed, so its outputs stand.
+                    release(assignment, RELEASE, Path(tmp) / "gradebook.db")
+                    carry_text(assignment)
+                    print(f"build: rewrote the figures {assignment} measures into its text", flush=True)
             elif (out / f"{assignment}.ipynb").exists():
                 changed = carry_text(assignment)
                 print(f"build: carried the new text into the executed solution of {assignment}, outputs kept"
@@ -245,6 +259,7 @@ def drift(only: list[str] | None = None) -> list[str]:
                           f"source/{assignment}").source != setup_cell_source():
                 problems.append(f"source/{assignment}: the set-up cell differs from the one generated from "
                                 "pyproject.toml ([project.urls] Repository, version)")
+            problems += figure_problems(source_notebook(assignment), f"source/{assignment}")
             fresh = release(assignment, Path(tmp) / "release", Path(tmp) / "gradebook.db")
             committed = RELEASE / assignment / fresh.name
             if not committed.exists() or committed.read_text() != fresh.read_text():

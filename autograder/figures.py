@@ -1,0 +1,258 @@
+"""Figures quoted in the notebooks' text, each computed from a measurement committed to the repository.
+
+An author quotes a figure in a markdown cell of source/ by writing its value followed by its name in an
+HTML comment, which Jupyter and nbconvert do not display:
+
+    the fast kernel ran at 541<!--fig:fast.prefill.tflops_8k--> TFLOP/s
+
+FIGURES maps each name to the file it comes from and how the value is computed from that file.
+`python -m autograder build` rewrites every quoted value from its source (write_figures), so the
+released notebook and the solution say what the results say; `build --check` and tests/test_figures.py
+fail when a quoted value differs from its source (drift), when a name is unknown, or when a figure is
+defined and never quoted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import nbformat
+
+from . import ROOT
+
+# A value (digits, an optional decimal part) directly before <!--fig:name-->; empty the first time.
+MARKER = re.compile(r"(?P<value>\d+(?:\.\d+)?)?<!--fig:(?P<name>[\w.\-]+)-->")
+
+FAST = "flashcourse/measured/fast.json"                       # 05's benchmark, shipped with the package
+FAST_REPORT = "benchmarks/results/2026-11-29-h200-fast.md"     # the same run's report, with that day's notes
+FLASH_REPORT = "benchmarks/results/2026-11-29-h200.md"         # 04's kernel against SDPA
+SWEEP_04 = "solutions/04_triton_flash/sweep.json"              # 04's own sweep on the GPU
+SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
+MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One quoted figure: the file it comes from, the value computed from that file, the decimals shown."""
+
+    source: str                            # relative to the repository root
+    compute: Callable[[Any], float]        # the loaded source -> the value
+    decimals: int = 0
+
+    def text(self) -> str:
+        return f"{self.compute(load(self.source)):.{self.decimals}f}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """A results file in markdown: its text and its tables, each a list of {column: cell} rows."""
+
+    text: str
+    tables: list[list[dict[str, str]]]
+
+
+def _markdown(text: str) -> Report:
+    tables, rows, header = [], None, None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            rows = header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header, rows = cells, []
+            tables.append(rows)
+        elif not all(set(c) <= set("-:") for c in cells):
+            rows.append(dict(zip(header, cells)))
+    return Report(text, tables)
+
+
+def _notebook_stdout(path: Path) -> dict[str, str]:
+    """An executed notebook's printed output, per cell id."""
+    nb = nbformat.read(path, as_version=4)
+    return {cell.get("id"): "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("name") == "stdout")
+            for cell in nb.cells if cell.cell_type == "code"}
+
+
+def load(source: str):
+    """A source file, parsed: JSON as data, markdown as a Report, an executed notebook as its stdout per cell."""
+    path = ROOT / source
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    if path.suffix == ".md":
+        return _markdown(path.read_text())
+    if path.suffix == ".ipynb":
+        return _notebook_stdout(path)
+    raise ValueError(f"figures: no reader for {source}")
+
+
+# --- how each figure is computed from its source -------------------------------------------------------
+
+def _step(data, name: str) -> float:
+    return next(s["tflops"] for s in data["steps"] if s["step"].startswith(name))
+
+
+def _step_gain(before: str, after: str) -> Callable[[Any], float]:
+    """The percentage one step of 05's table adds to the step before it."""
+    return lambda data: 100 * (_step(data, after) / _step(data, before) - 1)
+
+
+def _prefill(data, t_in=None, t_at_most=math.inf, **fields) -> list[dict]:
+    """05's prefill rows whose fields equal `fields`, with T in t_in (when given) and T <= t_at_most."""
+    return [r for r in data["prefill"] if all(r[key] == value for key, value in fields.items())
+            and r["t"] <= t_at_most and (t_in is None or r["t"] in t_in)]
+
+
+def _ratios(data, over: str, **where) -> list[float]:
+    """fast_attention's TFLOP/s over `over`'s on the prefill rows `where` selects (all rows by default)."""
+    return [r["fast_attention"] / r[over] for r in _prefill(data, **where)]
+
+
+def _decode(data, batch: int, s: int) -> dict:
+    return next(r for r in data["decode"] if r["batch"] == batch and r["s"] == s)
+
+
+def _decode_of_copy(data, batch: int, s_at_least: int = 0) -> list[float]:
+    """fast_decode's read bandwidth as a percentage of the plain copy's, at the rows given."""
+    return [100 * r["fast_decode"] / data["copy_tbs"] for r in data["decode"]
+            if r["batch"] == batch and r["s"] >= s_at_least]
+
+
+def _best_sdpa(row: dict) -> float:
+    return max(v for k, v in row.items() if k.startswith("SDPA") and "error" not in k and v == v)
+
+
+def _flash_04(report: Report, column: str, d: int, t_at_least: int = 0) -> list[float]:
+    """A column of 04's table against SDPA, as numbers, at head dim d and T >= t_at_least."""
+    return [float(r[column]) for r in report.tables[0] if int(r["D"]) == d and int(r["T"]) >= t_at_least]
+
+
+def _cudnn_over_04(report: Report) -> list[float]:
+    return [float(r["SDPA cuDNN"]) / float(r["flash_attention TFLOP/s"]) for r in report.tables[0]]
+
+
+def _sweep_sdpa_over_04(data, t_at_least: int) -> float:
+    """04's sweep: torch SDPA's TFLOP/s over flash_attention's, averaged over T >= t_at_least."""
+    speed = {(r["method"], r["t"]): r["tflops"] for r in data["rows"]}
+    ts = sorted(t for method, t in speed if method == "torch SDPA" and t >= t_at_least)
+    return sum(speed["torch SDPA", t] / speed["flash_attention (Triton)", t] for t in ts) / len(ts)
+
+
+def _noted(pattern: str) -> Callable[[Report], float]:
+    """A number in a report's notes, found by the words around it."""
+    return lambda report: float(re.search(pattern, report.text).group(1))
+
+
+def _memory_peaks(stdout: dict[str, str], t: int) -> tuple[float, float]:
+    """03's measured peaks (causal, online) in MiB at T = t, read from the executed solution's output."""
+    found = re.search(rf"T = +{t}: causal +([\d.]+) MiB, online +([\d.]+) MiB", stdout[MEMORY_CELL_03])
+    return float(found.group(1)), float(found.group(2))
+
+
+_BF16_D128 = dict(dtype="bf16", d=128, q_heads=32, kv_heads=32)
+_T8K_CAUSAL = dict(_BF16_D128, causal=True, t=8192)
+
+FIGURES: dict[str, Figure] = {
+    # 05, the steps at bf16, causal, D = 128, T = 8192
+    "fast.steps.base_04": Figure(FAST, lambda d: _step(d, "04 flash_attention")),
+    "fast.steps.base_fast": Figure(FAST, lambda d: _step(d, "fast kernel, exp")),
+    "fast.steps.exp2_pct": Figure(FAST, _step_gain("fast kernel, exp", "+ exp2")),
+    "fast.steps.split_pct": Figure(FAST, _step_gain("+ exp2", "+ diagonal split")),
+    "fast.steps.tma_pct": Figure(FAST, _step_gain("+ diagonal split", "+ tensor descriptors")),
+    "fast.steps.autotune_pct": Figure(FAST, _step_gain("+ tensor descriptors", "+ autotuned")),
+    # 05, prefill
+    "fast.prefill.tflops_8k": Figure(FAST, lambda d: _prefill(d, **_T8K_CAUSAL)[0]["fast_attention"]),
+    "fast.prefill.cudnn_tflops_8k": Figure(FAST, lambda d: _prefill(d, **_T8K_CAUSAL)[0]["SDPA cuDNN"]),
+    "fast.prefill.of_cudnn_8k": Figure(FAST, lambda d: _ratios(d, "SDPA cuDNN", **_T8K_CAUSAL)[0], 2),
+    "fast.prefill.over_sdpa_8k": Figure(FAST, lambda d: _ratios(d, "SDPA flash", **_T8K_CAUSAL)[0], 2),
+    "fast.prefill.over_sdpa_min": Figure(FAST, lambda d: min(_ratios(d, "SDPA flash")), 1),
+    "fast.prefill.over_sdpa_max": Figure(FAST, lambda d: max(_ratios(d, "SDPA flash")), 1),
+    "fast.prefill.of_cudnn_min": Figure(FAST, lambda d: min(_ratios(d, "SDPA cuDNN")), 2),
+    "fast.prefill.of_cudnn_max": Figure(FAST, lambda d: max(_ratios(d, "SDPA cuDNN")), 2),
+    "fast.prefill.of_cudnn_long_min": Figure(
+        FAST, lambda d: min(_ratios(d, "SDPA cuDNN", causal=True, t_in=(8192, 16384), **_BF16_D128)), 2),
+    "fast.prefill.of_cudnn_long_max": Figure(
+        FAST, lambda d: max(_ratios(d, "SDPA cuDNN", causal=True, t_in=(8192, 16384), **_BF16_D128)), 2),
+    "fast.prefill.of_cudnn_short_min": Figure(
+        FAST, lambda d: min(_ratios(d, "SDPA cuDNN", t_at_most=4096, **_BF16_D128)), 2),
+    "fast.prefill.of_cudnn_short_max": Figure(
+        FAST, lambda d: max(_ratios(d, "SDPA cuDNN", t_at_most=4096, **_BF16_D128)), 2),
+    "fast.prefill.in_kernel_descriptors_8k": Figure(
+        FAST_REPORT, _noted(r"built inside the kernel .*? it reached ([\d.]+)"), 1),
+    # 05, decode
+    "fast.decode.copy_tbs": Figure(FAST, lambda d: d["copy_tbs"], 2),
+    "fast.decode.copy_tbs_short": Figure(FAST, lambda d: d["copy_tbs"], 1),
+    "fast.decode.flash_04_tbs": Figure(FAST, lambda d: _decode(d, 1, 32768)["04 flash_attention"], 2),
+    "fast.decode.tbs_32k": Figure(FAST, lambda d: _decode(d, 1, 32768)["fast_decode"], 2),
+    "fast.decode.of_copy_32k": Figure(FAST, lambda d: 100 * _decode(d, 1, 32768)["fast_decode"] / d["copy_tbs"]),
+    "fast.decode.of_copy_long_min": Figure(FAST, lambda d: min(_decode_of_copy(d, 1, 65536))),
+    "fast.decode.of_copy_long_max": Figure(FAST, lambda d: max(_decode_of_copy(d, 1, 65536))),
+    "fast.decode.of_copy_b8_min": Figure(FAST, lambda d: min(_decode_of_copy(d, 8))),
+    "fast.decode.of_copy_b8_max": Figure(FAST, lambda d: max(_decode_of_copy(d, 8))),
+    "fast.decode.of_copy_8k": Figure(FAST, lambda d: 100 * _decode(d, 1, 8192)["fast_decode"] / d["copy_tbs"]),
+    "fast.decode.over_best_sdpa_min": Figure(
+        FAST, lambda d: min(r["fast_decode"] / _best_sdpa(r) for r in d["decode"]), 2),
+    "fast.decode.over_best_sdpa_max": Figure(
+        FAST, lambda d: max(r["fast_decode"] / _best_sdpa(r) for r in d["decode"]), 2),
+    # 04's kernel against SDPA (benchmarks/results), quoted by 05
+    "flash04.over_sdpa_d128_min": Figure(FLASH_REPORT, lambda r: min(_flash_04(r, "flash / SDPA flash", 128)), 2),
+    "flash04.over_sdpa_d128_max": Figure(FLASH_REPORT, lambda r: max(_flash_04(r, "flash / SDPA flash", 128)), 2),
+    "flash04.over_sdpa_d64_min": Figure(FLASH_REPORT, lambda r: min(_flash_04(r, "flash / SDPA flash", 64, 2048)), 2),
+    "flash04.over_sdpa_d64_max": Figure(FLASH_REPORT, lambda r: max(_flash_04(r, "flash / SDPA flash", 64, 2048)), 2),
+    "flash04.cudnn_over_min": Figure(FLASH_REPORT, lambda r: min(_cudnn_over_04(r)), 1),
+    "flash04.cudnn_over_max": Figure(FLASH_REPORT, lambda r: max(_cudnn_over_04(r)), 1),
+    "flash04.sweep_sdpa_over": Figure(SWEEP_04, lambda d: _sweep_sdpa_over_04(d, 2048), 1),
+    # 03, the memory measured by the solution (CPU, dispatch tracker; B = 1, 4 heads, D = 64, float32)
+    "memory03.causal_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[0]),
+    "memory03.online_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[1]),
+    "memory03.saving_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[0] - _memory_peaks(out, 4096)[1]),
+    "memory03.ratio_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[0] / _memory_peaks(out, 4096)[1]),
+    "memory03.causal_16k_predicted": Figure(SOLUTION_03, lambda out: 16 * _memory_peaks(out, 4096)[0]),
+    "memory03.causal_16k_predicted_gib": Figure(SOLUTION_03, lambda out: 16 * _memory_peaks(out, 4096)[0] / 1024, 1),
+    "memory03.online_16k_predicted": Figure(SOLUTION_03, lambda out: 4 * _memory_peaks(out, 4096)[1]),
+}
+
+
+def quoted(text: str) -> list[tuple[str, str]]:
+    """The (name, value as written) of every figure quoted in a markdown text."""
+    return [(m["name"], m["value"] or "") for m in MARKER.finditer(text)]
+
+
+def fill(text: str) -> str:
+    """The text with every quoted value rewritten from its source (KeyError for an unknown name)."""
+    return MARKER.sub(lambda m: f"{FIGURES[m['name']].text()}<!--fig:{m['name']}-->", text)
+
+
+def markdown_cells(path: Path) -> list[nbformat.NotebookNode]:
+    return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+
+
+def problems(path: Path, label: str) -> list[str]:
+    """Every quoted figure of a notebook that is unknown or differs from what its source gives."""
+    found = []
+    for cell in markdown_cells(path):
+        for name, value in quoted(cell.source):
+            if name not in FIGURES:
+                found.append(f"{label}: cell {cell.get('id')} quotes an unknown figure {name!r}")
+            elif value != FIGURES[name].text():
+                found.append(f"{label}: cell {cell.get('id')} quotes {name} as {value or 'nothing'}, its source "
+                             f"{FIGURES[name].source} gives {FIGURES[name].text()}")
+    return found
+
+
+def write_figures(path: Path) -> bool:
+    """Rewrite the quoted figures of a source notebook from their sources; True when anything changed."""
+    nb = nbformat.read(path, as_version=4)
+    changed = False
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and MARKER.search(cell.source):
+            text = fill(cell.source)
+            changed |= text != cell.source
+            cell.source = text
+    if changed:
+        nbformat.write(nb, path)
+    return changed
