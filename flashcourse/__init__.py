@@ -7,6 +7,8 @@ recurrence        the online-softmax recurrence as data, tile by tile, with the 
 checks            01's checks: failure messages name the tile, the statistic and the likely mistake
 attention_checks  the same for tensors (03 onwards): GQA mapping, offsets, masks, scale, NaN rows
 kernel_checks     the same for Triton kernels (04 onwards): block skipping, windows, dtypes
+warmup_checks     04's Triton warm-up: the PyTorch specs of four small kernels and checks that name masks,
+                  strides, an unsubtracted maximum or counted masked lanes
 memory            an allocation tracker, to show what the unfused and tiled versions keep alive
 widgets           the tile explorer and the causal block picture
 selfcheck         `python -m flashcourse.selfcheck NOTEBOOK`: run a notebook's visible tests
