@@ -180,6 +180,11 @@ def _window_problem(fn: Callable, c: ac.Case, got: torch.Tensor) -> str | None:
                          (window - 1, "j > p - window + 1 (one key too few)")):
         if other >= 1 and _close(got64, _expected(c, window=other), c.q.dtype):
             return message + f" The output matches a window off by one: the mask kept {words}."
+    if bool(got64[b, h, i].isnan().any()):
+        return message + (" The row is NaN: either the loop visited none of the keys this query sees, so l stayed 0 "
+                          "and acc / l = 0 / 0 (check start and stop against the query's position), or an "
+                          "exponential took -inf - (-inf) in a tile where the row had seen no key yet (use a safe "
+                          "reference).")
     return message
 
 

@@ -54,6 +54,14 @@ def test_negative_offset_and_window_rejected():
         flash_attention(q, q, q, window=0)
 
 
+def test_window_check_explains_a_nan_row_without_naming_one_cause():
+    """A windowed row that comes back NaN is described by both ways a kernel gets there, not blamed on one."""
+    c = kc.case("window", q_heads=1, kv_heads=1, t=20, window=5, block_m=16, block_n=16, dtype=RT.dtype, device=RT.device)
+    nan_rows = lambda q, k, v, **kw: flash_attention(q, k, v, **kw) * float("nan")  # noqa: E731
+    with pytest.raises(AssertionError, match="The row is NaN: either the loop visited none of the keys"):
+        kc.check_window(nan_rows, [c])
+
+
 def test_checks_name_the_classic_kernel_bugs():
     """kernel_checks recognises an ignored query_offset and a kernel that reads NaN keys."""
     c = kc.case("middle", q_heads=1, kv_heads=1, t=6, s=60, query_offset=10, block_m=16, block_n=16,
