@@ -14,7 +14,7 @@ import pytest
 
 from autograder import ROOT
 from autograder.grade import nbgrader_cmd, register
-from conftest import SAMPLES
+from conftest import SAMPLES, expected_scores
 
 pytestmark = pytest.mark.slow
 ASSIGNMENT = "01_online_softmax"
@@ -48,7 +48,8 @@ def test_trusted_notebooks_are_graded_and_the_summary_says_how(one_student):
     assert run.returncode == 0, run.stdout + run.stderr
     summary = (one_student / "out" / "summary.txt").read_text()
     assert "WITHOUT a jail" in summary and "someone, 01_online_softmax" in summary
-    assert "8/8" in run.stdout
+    full = sum(expected_scores()[ASSIGNMENT]["alt_correct"].values())
+    assert f"{full}/{full}" in run.stdout
 
 
 def test_plain_nbgrader_refuses_too(one_student):
