@@ -2,7 +2,9 @@
 
 Variety around what the visible tests already ask (flashcourse.checks.EDGE_TILES, EDGE_ROWS and
 EDGE_MERGES: all -inf tiles, alpha = 1, scores of 1e4, an empty state, a single state), never a new
-requirement. Every case is seeded.
+requirement. Each function is the hidden part of a graded cell of its own (test_tile_update_random,
+test_online_softmax_random, test_merge_states_random), so a failure here costs that cell's point and
+nothing beside it. Every case is seeded.
 """
 
 import math
