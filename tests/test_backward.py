@@ -1,0 +1,178 @@
+"""06_backward on a CPU: the engine's forward with lse and backward against autograd, and the checks
+recognising each planted mistake by name while staying silent on correct variants.
+
+Mistakes are planted by editing the engine's own source text (a mutation of the solution), so each
+one is the real mistake in real code, not the checks' simulation of it. float32 inputs, seeded;
+tolerances are attention_checks.TOLERANCES[float32].
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from autograder.hidden import backward as hidden
+from flashcourse import attention_checks as ac
+from flashcourse import backward_checks as bc
+from flashcourse.engine import backward as engine
+
+PADDING = 10**6
+
+
+def _cases():
+    return [
+        ac.make_case("GQA 2:1, chunked prefill", batch=2, q_heads=4, kv_heads=2, t=5, s=11, seed=1, tile=3),
+        ac.make_case("prefill, Dv != D", batch=1, q_heads=2, kv_heads=2, t=7, s=7, d=16, dv=8, seed=2, tile=4),
+        ac.make_case("rows with no key", batch=1, q_heads=2, kv_heads=2, t=3, s=8, seed=3, tile=2,
+                     key_positions=torch.tensor([PADDING] * 3 + list(range(5))), query_positions=torch.tensor([-1, 3, 4])),
+    ]
+
+
+def _mutant(function, *edits):
+    """`function` of the engine with its source text edited: (old, new) pairs, each old present once."""
+    text = inspect.getsource(function)
+    for old, new in edits:
+        assert text.count(old) == 1, f"the engine no longer contains {old!r}: update this mutation"
+        text = text.replace(old, new)
+    namespace = dict(vars(engine))
+    exec(text, namespace)
+    return namespace[function.__name__]
+
+
+P_LINE = 'p = torch.exp(scores.masked_fill(~visible, float("-inf")) - ref)'
+DQ_LINE = "dq += scale * ds @ k_tile"
+DK_LINE = "dk[:, :, start:stop] = scale * (ds.transpose(-2, -1) @ q5).sum(2)"
+DV_LINE = "dv[:, :, start:stop] = (p.transpose(-2, -1) @ do5).sum(2)"
+DELTA_LINE = "delta = (do.float() * o.float()).sum(-1).reshape(grouped)"
+BACKWARD_MUTATIONS = {
+    "delta_missing": [("ds = p * (dp - delta)", "ds = p * dp")],
+    "delta_from_do": [(DELTA_LINE, "delta = do.float().sum(-1).reshape(grouped)")],
+    "delta_from_o": [(DELTA_LINE, "delta = o.float().sum(-1).reshape(grouped)")],
+    "lse_read_as_base2": [(P_LINE, 'p = torch.exp2(scores.masked_fill(~visible, float("-inf")) * 1.4426950408889634 - ref)')],
+    "dq_no_scale": [(DQ_LINE, "dq += ds @ k_tile")],
+    "dk_no_scale": [(DK_LINE, "dk[:, :, start:stop] = (ds.transpose(-2, -1) @ q5).sum(2)")],
+    "dq_dk_no_scale": [(DQ_LINE, "dq += ds @ k_tile"), (DK_LINE, "dk[:, :, start:stop] = (ds.transpose(-2, -1) @ q5).sum(2)")],
+    "dq_scale_twice": [(DQ_LINE, "dq += scale * scale * ds @ k_tile")],
+    "dk_scale_twice": [("scores = scale * q5 @", "scores = q5 @"),
+                       ("q5 = q.float().reshape(grouped)", "q5 = q.float().reshape(grouped) * scale")],
+    "dq_dk_scale_twice": [(DQ_LINE, "dq += scale * scale * ds @ k_tile"),
+                          (DK_LINE, "dk[:, :, start:stop] = scale * scale * (ds.transpose(-2, -1) @ q5).sum(2)")],
+    "no_causal_backward": [(P_LINE, "p = torch.exp(scores - ref)")],
+    "gqa_last_head": [(DK_LINE, "dk[:, :, start:stop] = scale * (ds.transpose(-2, -1) @ q5)[:, :, -1]"),
+                      (DV_LINE, "dv[:, :, start:stop] = (p.transpose(-2, -1) @ do5)[:, :, -1]")],
+}
+
+
+def test_engine_forward_matches_reference():
+    """online_attention_lse: o and lse equal the float64 reference, rows with no key give (0, -inf)."""
+    cases = ac.standard_cases(torch.float32) + _cases()
+    bc.check_forward_lse(engine.online_attention_lse, [c.with_kwargs(tile=t) for c in cases for t in (1, 4, 64)])
+
+
+def test_engine_backward_matches_autograd():
+    """attention_backward equals torch.autograd through the reference, GQA and empty rows included."""
+    cases = ac.standard_cases(torch.float32) + _cases()
+    bc.check_backward(engine.attention_backward, [c.with_kwargs(tile=t) for c in cases for t in (1, 4, 64)])
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.name)
+def test_backward_formulas_equal_autograd(case):
+    """The checks' own backward formulas (no mistake) equal autograd in float64, to 1e-10."""
+    do = bc.upstream(case)
+    for got, want in zip(bc.backward_variant(case, do), bc.reference_gradients(case, do)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("bug", sorted(BACKWARD_MUTATIONS))
+def test_planted_backward_mistake_is_named(bug):
+    """Each mistake planted in the engine's backward is recognised as exactly that mistake, and named."""
+    case = _cases()[0]
+    wrong = _mutant(engine.attention_backward, *BACKWARD_MUTATIONS[bug])
+    result, do = bc.call_backward(wrong, case)
+    message = bc.explain_gradients(result, case, do, "attention_backward")
+    assert message is not None and bc.BACKWARD_BUGS[bug] in message, message
+    got = tuple(x.double() for x in result)
+    assert bc.matching_bugs(got, case, do, bc.reference_gradients(case, do), 1e-4, 1e-4) == [bug]
+
+
+@pytest.mark.parametrize("bug, transform", [("p_from_max", "max"), ("base2_lse_with_exp", "base2")])
+def test_wrong_saved_statistic_is_named(bug, transform):
+    """A correct backward fed the row maximum, or a base-2 lse, gives exactly those mistakes' gradients."""
+    case = _cases()[0]
+    o, lse = bc.saved(case)
+    if transform == "max":
+        scores, _, mask = ac._scores_and_mask(case)
+        lse = scores.masked_fill(~mask, -math.inf).amax(-1).float()
+    else:
+        lse = lse * bc.LOG2E
+    do = bc.upstream(case)
+    result = engine.attention_backward(case.q, case.k, case.v, o, lse, do, tile=3)
+    message = bc.explain_gradients(result, case, do)
+    assert message is not None and bc.BACKWARD_BUGS[bug] in message, message
+
+
+def test_nan_on_rows_without_key_is_named():
+    """P rebuilt as exp(S - lse) with lse = -inf gives NaN, named as such; not said where no row is empty."""
+    nan_backward = _mutant(engine.attention_backward, (P_LINE, P_LINE.replace("- ref)", "- lse5)")))
+    empty = _cases()[2]
+    result, do = bc.call_backward(nan_backward, empty)
+    assert bc.NAN_HINT in bc.explain_gradients(result, empty, do)
+    full = _cases()[0]
+    result, do = bc.call_backward(nan_backward, full)
+    assert bc.explain_gradients(result, full, do) is None, "no row is empty: the same code is correct there"
+
+
+@pytest.mark.parametrize("bug, edit", [
+    ("lse_is_max", ("lse = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))), m)", "lse = m")),
+    ("lse_log_l", ("m + torch.log(torch.where(seen, l,", "torch.log(torch.where(seen, l,")),
+])
+def test_planted_lse_mistake_is_named(bug, edit):
+    """A forward that saves m, or log(l) alone, is named by the lse check."""
+    wrong = _mutant(engine.online_attention_lse, edit)
+    case = _cases()[0]
+    message = bc.explain_forward(case.call(wrong), case, tile=3)
+    assert message is not None and bc.LSE_BUGS[bug] in message, message
+
+
+def test_base2_lse_is_named():
+    """An lse in base 2 is named; one in float64 is refused for its dtype."""
+    case = _cases()[1]
+    o, lse = engine.online_attention_lse(case.q, case.k, case.v, tile=4)
+    assert bc.LSE_BUGS["lse_base2"] in bc.explain_forward((o, lse * bc.LOG2E), case)
+    assert "float32" in bc.explain_forward((o, lse.double()), case)
+
+
+def test_correct_variants_pass_silently():
+    """Correct gradients written otherwise (autograd in float32, exp2 with a base-2 lse) pass, no mistake named."""
+    exp2_backward = _mutant(engine.attention_backward, (
+        P_LINE, 'p = torch.exp2((scores.masked_fill(~visible, float("-inf")) - ref) * 1.4426950408889634)'))
+    for case in _cases()[:2]:
+        result, do = bc.call_backward(exp2_backward, case)
+        assert bc.explain_gradients(result, case, do) is None
+        assert bc.recognise_gradients(result, case, do) == "correct"
+        q, k, v = (x.clone().requires_grad_() for x in (case.q, case.k, case.v))
+        group = q.shape[1] // k.shape[1]
+        t, s = q.shape[2], k.shape[2]
+        visible = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)
+        scores = (q @ k.repeat_interleave(group, 1).transpose(-2, -1) / math.sqrt(q.shape[-1]))
+        out = torch.softmax(scores.masked_fill(~visible, -math.inf), -1) @ v.repeat_interleave(group, 1)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        assert bc.explain_gradients(grads, case, do) is None
+
+
+def test_memory_check_flags_a_whole_p():
+    """The tracker passes the tiled engine and names a backward that builds P whole."""
+    case = ac.make_case("memory", q_heads=2, kv_heads=1, t=32, s=48, d=8, seed=4, tile=8)
+    bc.check_backward_memory(engine.attention_backward, case)
+    whole = case.with_kwargs(tile=48)                     # one tile of every key: P whole
+    with pytest.raises(AssertionError, match="as large as the whole"):
+        bc.check_backward_memory(engine.attention_backward, whole)
+
+
+@pytest.mark.parametrize("name", ["test_online_attention_lse", "test_online_attention_lse_edges", "test_attention_backward",
+                                  "test_attention_backward_gqa", "test_attention_backward_edges"])
+def test_hidden_checks_pass_the_solution(name):
+    """Every hidden check of 06 passes the engine (the executed solution's functions)."""
+    fn = engine.online_attention_lse if "lse" in name else engine.attention_backward
+    getattr(hidden, name)(fn)
