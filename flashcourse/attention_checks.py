@@ -180,6 +180,40 @@ def standard_cases(dtype: torch.dtype = torch.float32, device="cpu", d: int = 16
             for i, (name, spec) in enumerate(specs)]
 
 
+PADDING = 10**6   # the position of a padding key: later than every query, so no query ever sees it
+
+
+def position_cases(dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0) -> list[Case]:
+    """Positions given explicitly, in each accepted form: queries [T] shared by the batch and [B, T] per
+    sequence, keys [S] with gaps and [B, S] for a right-padded batch. Every query row sees the first key,
+    so no row meets a tile without a visible key (that is empty_first_tile_cases' part)."""
+    specs = [
+        ("query positions [T], key positions [S] with gaps", dict(
+            batch=2, q_heads=4, kv_heads=2, t=4, s=10, key_positions=torch.arange(10) * 3,
+            query_positions=torch.tensor([5, 9, 20, 27]))),
+        ("query positions [B, T]", dict(
+            batch=2, q_heads=2, kv_heads=1, t=3, s=12, query_positions=torch.tensor([[4, 7, 11], [2, 3, 9]]))),
+        ("key positions [B, S], right-padded batch", dict(
+            batch=2, q_heads=2, kv_heads=2, t=3, s=9, query_positions=torch.tensor([[3, 4, 5], [6, 7, 8]]),
+            key_positions=torch.tensor([list(range(6)) + [PADDING] * 3, list(range(9))]))),
+    ]
+    return [make_case(name, dtype=dtype, device=device, seed=seed + 10 + i, **spec)
+            for i, (name, spec) in enumerate(specs)]
+
+
+def empty_first_tile_cases(dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0) -> list[Case]:
+    """Query rows whose first key tiles hold no visible key, where a missing safe reference gives NaN:
+    a left-padded sequence ([T] positions) and a ring-buffer cache whose newer half is stored first
+    ([B, T] positions)."""
+    return [
+        make_case("left-padded", t=2, s=8, dtype=dtype, device=device, seed=seed + 3,
+                  key_positions=torch.tensor([PADDING] * 3 + list(range(5))), query_positions=torch.tensor([3, 4])),
+        make_case("ring-buffer cache, GQA", batch=2, q_heads=4, kv_heads=2, t=2, s=12, dtype=dtype, device=device,
+                  seed=seed + 4, key_positions=torch.cat([torch.arange(6, 12), torch.arange(6)]),
+                  query_positions=torch.tensor([[2, 5], [4, 11]])),
+    ]
+
+
 def _positions(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     b, _, t, _ = case.q.shape
     s = case.k.shape[2]
@@ -369,13 +403,19 @@ def check_raises(fn: Callable, case: Case, reason: str) -> None:
     """fn must raise ValueError on `case`; `reason` says why, for the message."""
     what = getattr(fn, "__name__", "attention")
     try:
-        case.call(fn)
+        got = case.call(fn)
     except ValueError:
         return
     except Exception as error:  # noqa: BLE001  (any other exception is the learner's bug, reported)
         raise AssertionError(f"{what}, {case.describe()}: should raise ValueError ({reason}), "
                              f"raised {type(error).__name__}: {error}") from None
-    raise AssertionError(f"{what}, {case.describe()}: should raise ValueError ({reason}), returned normally")
+    message = f"{what}, {case.describe()}: should raise ValueError ({reason}), returned normally"
+    if isinstance(got, torch.Tensor) and bool(torch.isnan(got).any()):
+        # A row that sees no key ends with l = 0 only if it never met exp(-inf - -inf).
+        rows = int(torch.isnan(got).any(-1).sum())
+        message += (f" with NaN in {rows} query row(s). Likely cause: {NAN_HINT}; the row then keeps l = 0, "
+                    "which is how a row that sees no key is recognised")
+    raise AssertionError(message)
 
 
 def first_tile_empty_rows(case: Case, tile: int) -> torch.Tensor:
