@@ -162,11 +162,15 @@ class Session:
         self.output_left = 0
         return [nbformat.v4.new_output("stream", name="stdout", text="[output dropped: the notebook printed too much]\n")]
 
-    def call(self, name: str, args: tuple, kwargs: dict, address_space: int | None = None):
-        """The learner's `name`(*args, **kwargs), run in the jail; its value, or its exception raised here."""
+    def call(self, name: str, args: tuple, kwargs: dict, address_space: int | None = None, ranks: dict | None = None):
+        """The learner's `name`(*args, **kwargs), run in the jail; its value, or its exception raised here.
+        With ranks ({"backend", "timeout_s"}), args holds one tuple of arguments per rank and the function
+        runs on every rank of a process group in the jail (flashcourse.distributed); the ranks' answers."""
         tensors: dict = {}
         encoded = wire.encode([list(args), dict(kwargs)], tensors)["list"]
         request = {"op": "call", "name": name, "args": encoded[0], "kwargs": encoded[1]}
+        if ranks is not None:
+            request["ranks"] = ranks
         try:
             if address_space is None:
                 answer, out = self._ask(request, tensors, self.deadline, f"a call of {name}")
@@ -232,6 +236,12 @@ class Remote:
                               f"start-up, and the check allows {allowance >> 20} MiB: delete large tensors that "
                               "earlier cells keep")
         return self.session.call(self.name, args, kwargs, address_space=kernel.start_size + allowance)
+
+    def call_on_ranks(self, rank_args, *, backend: str = "gloo", timeout_s: float = 60.0, **kwargs):
+        """flashcourse.distributed.call_on_ranks for the learner's function: the process group is started in
+        the jail, rank r calls it with rank_args[r] and **kwargs; the ranks' answers, in rank order."""
+        return self.session.call(self.name, tuple(tuple(a) for a in rank_args), kwargs,
+                                 ranks={"backend": backend, "timeout_s": timeout_s})
 
 
 class Refused:

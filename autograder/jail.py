@@ -35,7 +35,7 @@ from pathlib import Path
 from . import ROOT, wire
 
 LIBRARY = "/opt/flashcourse-grading"   # where the jail sees the runner and the kept modules
-KEPT_MODULES = ("__init__.py", "runtime.py", "memory.py", "positions.py")  # answer no exercise
+KEPT_MODULES = ("__init__.py", "runtime.py", "memory.py", "positions.py", "distributed.py")  # answer no exercise
 JAIL_UID_BASE = 1_000_000
 NOBODY = 65534
 START_TIMEOUT_S = 180

@@ -5,6 +5,9 @@
 It reads requests from IN_FD and answers on OUT_FD, in autograder/wire.py's format:
     {"op": "run", "code": ...}                      -> {"outputs": [...], "error": [name, message] | None}
     {"op": "call", "name": ..., "args": ..., "kwargs": ...} -> {"value": ...} | {"raised": [name, message]}
+    the same with "ranks": {"backend": ..., "timeout_s": ...}: args is one list of arguments per rank, and
+    the function is called on every rank of a process group (flashcourse.distributed); the value is
+    the list of the ranks' answers
 Everything here runs beside the learner's code, which can change any of it: the grader trusts none
 of what comes back beyond its format. Test code and expected answers never come here, only the
 inputs the grader's tests call the learner's functions with.
@@ -86,9 +89,16 @@ def call(shell, request: dict, tensors: dict) -> tuple[dict, dict]:
         return {"raised": ["NameError", f"{name} is not defined in the notebook: run the cell that defines it"]}, {}
     args = wire.decode(request.get("args", {"list": []}), tensors)
     kwargs = wire.decode(request.get("kwargs", {"dict": []}), tensors)
+    ranks = request.get("ranks")
     with capture_output() as captured:
         try:
-            value = function(*args, **kwargs)
+            if isinstance(ranks, dict):
+                from flashcourse import distributed
+
+                value = distributed.call_on_ranks(function, args, backend=str(ranks.get("backend", "gloo")),
+                                                  timeout_s=float(ranks.get("timeout_s", 60)), **kwargs)
+            else:
+                value = function(*args, **kwargs)
         except Exception as error:
             return {"raised": [type(error).__name__, str(error)[:2000]], "stdout": captured.stdout[:MAX_TEXT]}, {}
     out: dict = {}

@@ -1,0 +1,196 @@
+"""Run a function on P local processes joined in a torch.distributed process group.
+
+    outputs = distributed.run(fn, world_size=2)      # [fn(0, 2), fn(1, 2)], each on its own rank, gloo
+    outputs = distributed.call_on_ranks(ring_attention, [(q0, k0, v0), (q1, k1, v1)], causal=True)
+
+With gloo each rank is a forked copy of the calling process, so a function defined in a notebook cell
+runs as it is, with every tensor the notebook holds. The ranks meet through a FileStore in a fresh
+temporary folder; gloo talks over the loopback interface, so no network is needed. The answers come back in rank
+order. A rank that raises makes `run` raise the same kind of exception (a RuntimeError for kinds that
+are not Python's own) with the rank and its traceback in the message; a group that has not finished
+within timeout_s (a send that nobody receives waits forever) is killed and `run` raises RanksTimedOut.
+No process outlives the call: every rank is killed and reaped before `run` returns or raises.
+
+With NCCL (backend="nccl", rank r on GPU r) the ranks are started fresh ("spawn"): CUDA cannot be used
+in a forked copy of a process that has touched it, and merely asking whether a GPU is there touches it.
+fn and its arguments are then pickled, so fn must be importable (defined in a module, not a cell).
+
+This module answers no exercise: graded notebooks may use it, and the grading jail holds it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ctypes
+import io
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from functools import partial
+from multiprocessing.connection import wait
+
+import torch
+
+DEFAULT_TIMEOUT_S = 60.0
+LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"   # gloo's interface: loopback only
+BACKENDS = ("gloo", "nccl")
+TRACEBACK_CHARS = 1500                                     # of a failed rank's traceback, kept in the message
+FAILURE_GRACE_S = 2.0                                      # after a rank fails, how long the others may take to report
+
+
+class RanksTimedOut(RuntimeError):
+    """The process group did not finish in time; its processes were killed."""
+
+
+def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> list:
+    """[fn(rank, world_size) for every rank], each called on its own process of a fresh process group.
+
+    torch.distributed is initialised on every rank before fn runs (so fn may call dist.isend, dist.irecv,
+    dist.get_rank(), ...) and destroyed after. Values come back through torch.save, tensors on the CPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPU(s)")
+    context = mp.get_context("spawn" if backend == "nccl" else "fork")
+    folder = tempfile.mkdtemp(prefix="flashcourse-ranks-")
+    ranks, pipes = [], []
+    try:
+        with warnings.catch_warnings():  # forking a process that runs threads: the child only runs fn
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for rank in range(world_size):
+                receiver, sender = context.Pipe(duplex=False)
+                process = context.Process(target=_rank_main, daemon=True, name=f"rank {rank}",
+                                          args=(fn, rank, world_size, backend, os.path.join(folder, "store"),
+                                                timeout_s, sender))
+                process.start()
+                sender.close()
+                ranks.append(process)
+                pipes.append(receiver)
+        return _gather(ranks, pipes, timeout_s)
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        for receiver in pipes:
+            receiver.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def call_on_ranks(fn, rank_args, *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+    """[fn(*rank_args[r], **kwargs) for every rank r], on a fresh group of len(rank_args) processes.
+
+    A stand-in for a function that lives in another process (the grader's view of a learner's function)
+    has its own call_on_ranks, which starts the ranks over there; it is used when present.
+    """
+    elsewhere = getattr(fn, "call_on_ranks", None)
+    if callable(elsewhere):
+        return elsewhere(rank_args, backend=backend, timeout_s=timeout_s, **kwargs)
+    return run(partial(_call_with, fn, list(rank_args), kwargs), len(rank_args), backend=backend, timeout_s=timeout_s)
+
+
+def _call_with(fn, rank_args: list, kwargs: dict, rank: int, world_size: int):
+    return fn(*rank_args[rank], **kwargs)
+
+
+def _gather(ranks: list, pipes: list, timeout_s: float) -> list:
+    """Every rank's value in rank order. When ranks fail, the one that failed first is raised: the others'
+    errors usually follow from it (a peer that vanished). The deadline raises RanksTimedOut."""
+    values: dict[int, object] = {}
+    failures: list[tuple[float, int, str, str, str]] = []     # (when, rank, kind, message, traceback)
+    deadline = time.monotonic() + timeout_s
+    waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
+    while waiting:
+        ready = wait(list(waiting), timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            if failures:
+                break
+            stuck = sorted(waiting.values())
+            raise RanksTimedOut(f"rank(s) {stuck} of {len(ranks)} did not finish within {timeout_s:g} s and were "
+                                "killed: a send or receive whose partner never comes (two ranks waiting on each "
+                                "other, or a message sent to the wrong rank) waits forever")
+        for pipe in ready:
+            rank = waiting.pop(pipe)
+            try:
+                answer = pipe.recv()
+            except EOFError:  # the process ended without answering: killed by a signal, or os._exit
+                ranks[rank].join(5)
+                failures.append((time.monotonic(), rank, "RuntimeError", "died without an answer "
+                                 f"({_exit_text(ranks[rank].exitcode)})", ""))
+                continue
+            if answer[0] == "raised":
+                failures.append((answer[4], rank, *answer[1:4]))
+            else:
+                values[rank] = torch.load(io.BytesIO(answer[1]), map_location="cpu", weights_only=False)
+        if failures:   # give the other ranks a moment to report, then stop waiting for them
+            deadline = min(deadline, failures[0][0] + FAILURE_GRACE_S)
+    if failures:
+        _, rank, kind, message, trace = min(failures)
+        error = getattr(builtins, kind, None)
+        if not (isinstance(error, type) and issubclass(error, Exception)):
+            error, message = RuntimeError, f"{kind}: {message}"
+        where = f"on rank {rank} of {len(ranks)}: {message}"
+        raise error(where + (f"\nrank {rank}'s traceback (last lines):\n{trace[-TRACEBACK_CHARS:]}" if trace else ""))
+    return [values[rank] for rank in range(len(ranks))]
+
+
+def _exit_text(code) -> str:
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    if -code == signal.SIGABRT:
+        return ("killed by SIGABRT: the process aborted itself; gloo does so, for one, when a message is longer than "
+                "the buffer its receive was given")
+    return f"killed by {signal.Signals(-code).name}"
+
+
+def _rank_main(fn, rank: int, world_size: int, backend: str, store_path: str, timeout_s: float, sender) -> None:
+    """One rank: join the group, call fn, send back ("value", bytes) or _failure's answer."""
+    import torch.distributed as dist
+
+    answer = None
+    try:
+        _die_with_parent()
+        torch.set_num_threads(1)     # P ranks share the machine's cores; a forked OpenMP pool is not reused
+        os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            value = fn(rank, world_size)
+        except BaseException as error:  # noqa: BLE001  (timed now, before the group is torn down)
+            answer = _failure(error)
+        dist.destroy_process_group()
+        if answer is None:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            answer = ("value", buffer.getvalue())
+    except BaseException as error:  # noqa: BLE001  (everything a rank raises goes back to the caller)
+        answer = answer or _failure(error)
+    sender.send(answer)
+    sender.close()
+
+
+def _failure(error: BaseException) -> tuple:
+    """("raised", kind, message, traceback, when): when is time.monotonic(), the same clock in every process."""
+    return ("raised", type(error).__name__, str(error), traceback.format_exc(), time.monotonic())
+
+
+def _die_with_parent() -> None:
+    """On Linux, the kernel kills this rank if the process that started it dies first."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
