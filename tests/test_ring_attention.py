@@ -1,0 +1,228 @@
+"""07 on real process groups: the launcher (flashcourse.distributed), ring attention over gloo with 2 and 3
+processes, the diagnosing checks (each classic mistake named, none named for a correct ring), and a ring
+started from a grading jail. Small shapes, float32, seeded; outputs at ring_checks' tolerances (1e-4)."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autograder import jail
+from flashcourse import attention_checks as ac
+from flashcourse import distributed, reference
+from flashcourse import ring_checks as rc
+from flashcourse.engine import ring_attention as engine
+
+
+def _pass_right(rank, world_size):
+    mine, theirs = torch.tensor([float(rank)]), torch.empty(1)
+    for transfer in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (rank + 1) % world_size),
+                                            dist.P2POp(dist.irecv, theirs, (rank - 1) % world_size)]):
+        transfer.wait()
+    return {"rank": dist.get_rank(), "received": int(theirs)}
+
+
+def _children() -> list[int]:
+    return jail.descendants(os.getpid())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_run_joins_a_group_and_returns_in_rank_order(world_size):
+    """Every rank is in one group of world_size, messages go around the ring, answers come back in rank order."""
+    got = distributed.run(_pass_right, world_size)
+    assert got == [{"rank": r, "received": (r - 1) % world_size} for r in range(world_size)]
+    assert _children() == []
+
+
+def test_a_failing_rank_raises_its_own_exception_with_its_rank():
+    """A ValueError on rank 1 is a ValueError here, naming rank 1; a non-builtin one becomes a RuntimeError."""
+    def fails_on_one(rank, world_size):
+        if rank == 1:
+            raise ValueError("bad shard")
+        dist.barrier()                                  # rank 0 would wait forever for rank 1
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="on rank 1 of 2: bad shard"):
+        distributed.run(fails_on_one, 2, timeout_s=20)
+    assert time.monotonic() - started < 15, "the other rank should be stopped as soon as one fails"
+
+    class Custom(Exception):
+        pass
+
+    def custom(rank, world_size):
+        raise Custom("own kind")
+    with pytest.raises(RuntimeError, match="Custom: own kind"):
+        distributed.run(custom, 2)
+    assert _children() == []
+
+
+def test_a_deadlock_times_out_and_leaves_no_process():
+    """Two ranks receiving from each other never finish: RanksTimedOut after timeout_s, every process reaped."""
+    def both_receive(rank, world_size):
+        dist.recv(torch.empty(1), (rank + 1) % world_size)
+    started = time.monotonic()
+    with pytest.raises(distributed.RanksTimedOut, match=r"rank\(s\) \[0, 1\] of 2 did not finish within 2 s"):
+        distributed.run(both_receive, 2, timeout_s=2)
+    assert 2 <= time.monotonic() - started < 10
+    assert _children() == []
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        distributed.run(_pass_right, 2, backend="mpi")
+    with pytest.raises(ValueError, match="world_size"):
+        distributed.run(_pass_right, 0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_engine_ring_attention_is_exact(world_size):
+    """The exported ring_attention on gloo equals the reference: both layouts, causal or not, GQA, uneven T."""
+    cases = [ac.make_case("GQA 4 : 2, T = 13", batch=2, q_heads=4, kv_heads=2, t=13, d=8, seed=1),
+             ac.make_case(f"MHA, T = {4 * world_size}", batch=1, q_heads=2, kv_heads=2, t=4 * world_size, d=16, seed=2)]
+    rc.check_ring_attention(engine.ring_attention, cases, world_sizes=(world_size,))
+
+
+def test_engine_ring_attention_on_a_subgroup():
+    """group= is honoured: ranks 1 and 2 of a group of 3 run a ring of 2 with global peers."""
+    case = ac.make_case("subgroup", batch=1, q_heads=2, kv_heads=1, t=10, d=8, seed=3)
+    shards = [rc.shard(x, r, 2, "zigzag") for x in (case.q, case.k, case.v) for r in range(2)]
+
+    def on_ranks_one_and_two(rank, world_size):
+        pair = dist.new_group([1, 2])
+        if rank == 0:
+            return None
+        q, k, v = shards[rank - 1], shards[2 + rank - 1], shards[4 + rank - 1]
+        return engine.ring_attention(q, k, v, group=pair)
+    outputs = distributed.run(on_ranks_one_and_two, 3)
+    got = rc.unshard(outputs[1:], "zigzag")
+    torch.testing.assert_close(got.double(), reference.attention(case.q, case.k, case.v), rtol=1e-4, atol=1e-4)
+
+
+def test_layouts_and_zigzag_helpers():
+    """The checks' own layouts: zigzag rank r holds chunks r and 2P - 1 - r; unshard inverts shard; the engine agrees."""
+    assert rc.layout_positions(12, 0, 3, "zigzag").tolist() == [0, 1, 10, 11]
+    assert rc.layout_positions(13, 1, 2, "zigzag").tolist() == [4, 5, 6, 7, 8, 9]   # chunks 4, 3, 3, 3
+    assert rc.layout_positions(10, 2, 3, "contiguous").tolist() == [7, 8, 9]
+    x = torch.randn(2, 3, 17, 4, generator=torch.Generator().manual_seed(5))
+    for layout in rc.LAYOUTS:
+        assert torch.equal(rc.unshard([rc.shard(x, r, 3, layout) for r in range(3)], layout), x)
+    rc.check_zigzag(engine.zigzag_shard, engine.zigzag_unshard)
+    rc.check_merge_lse(engine.merge_lse)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_simulated_ring_is_exact_and_every_mistake_changes_it(world_size):
+    """simulate_ring without a mistake is the reference; each mistake it can inject changes the output of a
+    causal ring in some layout (the wrong owner only from P = 3 on), so a diagnosis naming it can speak."""
+    case = ac.make_case("sim", batch=1, q_heads=4, kv_heads=2, t=8 * world_size, d=8, seed=4)
+    for layout in rc.LAYOUTS:
+        for causal in (True, False):
+            want = reference.attention(case.q, case.k, case.v, causal=causal)
+            got = rc.simulate_ring(case.q, case.k, case.v, world_size, causal, layout)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for name, mistake in rc.RING_MISTAKES.items():
+        if world_size == 1 or (world_size == 2 and mistake == {"owner_sign": +1}):  # on 2 ranks, r + s = r - s mod 2
+            continue
+        changed = False
+        for layout in rc.LAYOUTS:
+            want = reference.attention(case.q, case.k, case.v)
+            got = rc.simulate_ring(case.q, case.k, case.v, world_size, True, layout, **mistake)
+            changed |= not torch.allclose(got, want, atol=1e-4)
+        assert changed, f"P = {world_size}: {name!r} never changes the output"
+
+
+def _planted(**change):
+    """The engine's ring_attention with one classic mistake planted (by wrapping its helpers)."""
+    def ring(q, k, v, group=None, causal=True, layout="zigzag"):
+        saved = {name: getattr(engine, name) for name in change}
+        for name, replacement in change.items():
+            setattr(engine, name, replacement(saved[name]))
+        try:
+            return engine.ring_attention(q, k, v, group=group, causal=causal, layout=layout)
+        finally:
+            for name, original in saved.items():
+                setattr(engine, name, original)
+    return ring
+
+
+PLANTED = {
+    "causal mask by local index": dict(shard_positions=lambda f: lambda *a: torch.arange(f(*a).numel())),
+    "positions of the contiguous layout": dict(shard_positions=lambda f: lambda t, r, p, layout: f(t, r, p, "contiguous")),
+    "merged without rescaling": dict(merge_lse=lambda f: lambda o1, l1, o2, l2: (o1 + o2, torch.logaddexp(l1, l2))),
+    "only the own shard is masked": dict(shard_attention=lambda f: lambda q, k, v, qp, kp, causal: f(
+        q, k, v, qp, kp, causal and bool(torch.equal(kp, qp)))),
+}
+
+
+@pytest.mark.parametrize("expected", list(PLANTED))
+def test_planted_ring_mistakes_are_named(expected):
+    """A ring with a planted mistake fails on 2 processes, and the message names that mistake."""
+    case = ac.make_case("GQA 4 : 2, T = 12", batch=1, q_heads=4, kv_heads=2, t=12, d=8, seed=6)
+    with pytest.raises(AssertionError) as failure:
+        rc.check_ring_attention(_planted(**PLANTED[expected]), [case], world_sizes=(2,), causal_options=(True,))
+    assert expected in str(failure.value), str(failure.value)
+
+
+def test_a_correct_ring_names_no_mistake_on_a_close_miss():
+    """A result off by more than the tolerance but equal to no mistake is described without a named mistake."""
+    case = ac.make_case("GQA 4 : 2, T = 12", batch=1, q_heads=4, kv_heads=2, t=12, d=8, seed=6)
+    want = reference.attention(case.q, case.k, case.v)
+    text = rc.explain_ring(want + 1e-2, want, case.q, case.k, case.v, 2, True, "zigzag", (0, 0, 0, 0), 1e-4, 1e-4, "here")
+    assert "12 of 12 positions are wrong" in text and "mistake" not in text
+
+
+def test_merge_mistakes_are_named():
+    """check_merge_lse names unweighted sums, NaN for rows empty in both parts, and lse = max."""
+    def nan_for_empty(o1, l1, o2, l2):
+        lse = torch.logaddexp(l1, l2)
+        return torch.exp(l1 - lse)[..., None] * o1 + torch.exp(l2 - lse)[..., None] * o2, lse
+
+    def lse_is_max(o1, l1, o2, l2):
+        return engine.merge_lse(o1, l1, o2, l2)[0], torch.maximum(l1, l2)
+
+    for merge, expected in ((lambda o1, l1, o2, l2: (o1 + o2, torch.logaddexp(l1, l2)), "added without weights"),
+                            (nan_for_empty, "NaN in a row that saw no key"), (lse_is_max, r"it is max\(lse1, lse2\)")):
+        with pytest.raises(AssertionError, match=expected):
+            rc.check_merge_lse(merge)
+
+
+def test_zigzag_mistakes_are_named():
+    """Swapped chunks, the contiguous layout and torch.chunk's sizes are each named."""
+    def swapped(x, rank, world_size, dim=2):
+        chunks = torch.tensor_split(x, 2 * world_size, dim=dim)
+        return torch.cat([chunks[2 * world_size - 1 - rank], chunks[rank]], dim=dim)
+
+    def contiguous(x, rank, world_size, dim=2):
+        return torch.tensor_split(x, world_size, dim=dim)[rank]
+
+    for shard, expected in ((swapped, "the two chunks are swapped"), (contiguous, "that is the contiguous layout")):
+        with pytest.raises(AssertionError, match=expected):
+            rc.check_zigzag(shard, engine.zigzag_unshard)
+    hint = rc._zigzag_hint(torch.tensor([0, 1, 2, 12, 13]), 14, 0, 2)   # torch.chunk: sizes 4, 4, 4, 2
+    assert hint == "", "a shard that is neither mistake is not given a name"
+    assert "torch.chunk" in rc._zigzag_hint(torch.tensor([0, 1, 2, 3, 12, 13]), 14, 0, 2)
+
+
+@pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
+def test_a_ring_runs_inside_the_grading_jail():
+    """The grader's stand-in for a learner's function starts the ranks in the jail (gloo on its loopback only),
+    and a deadlocked ring there comes back as a timeout, not a hang."""
+    from autograder import execute
+
+    session = execute.Session(jailed=True, cell_timeout=120, max_restarts=0)
+    try:
+        learner_cells = Path(engine.__file__).read_text().split('"""', 2)[2]   # the engine, less its docstring
+        learner_cells += "\n\ndef stuck(x):\n    dist.recv(torch.empty(1), (dist.get_rank() + 1) % 2)\n"
+        outputs = session.run_cell(learner_cells, "the engine's functions and a deadlock, as a learner's cells")
+        assert not [o for o in outputs if o.output_type == "error"], outputs
+        session.deadline = time.monotonic() + 120
+        case = ac.make_case("jail", batch=1, q_heads=4, kv_heads=2, t=9, d=8, seed=9)
+        rc.check_ring_attention(execute.Remote("ring_attention", session), [case], world_sizes=(3,),
+                                causal_options=(True,))
+        with pytest.raises(RuntimeError, match="RanksTimedOut"):
+            execute.Remote("stuck", session).call_on_ranks([(torch.ones(1),), (torch.ones(1),)], timeout_s=2)
+        assert session.anomalies == []
+    finally:
+        session.close()
