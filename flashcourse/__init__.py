@@ -9,10 +9,13 @@ attention_checks  the same for tensors (03 onwards): GQA mapping, offsets, masks
 kernel_checks     the same for Triton kernels (04 onwards): block skipping, windows, dtypes
 warmup_checks     04's Triton warm-up: the PyTorch specs of four small kernels and checks that name masks,
                   strides, an unsubtracted maximum or counted masked lanes
+ring_checks       07's checks: the (o, lse) merge, the zigzag layout, rings run on real process groups
+distributed       runs a function on P local ranks of a torch.distributed group (answers no exercise)
 memory            an allocation tracker, to show what the unfused and tiled versions keep alive
 widgets           the tile explorer and the causal block picture
 selfcheck         `python -m flashcourse.selfcheck NOTEBOOK`: run a notebook's visible tests
 bench             GPU benchmarks against torch's scaled_dot_product_attention
+bench_ring        07's ring on P GPUs with NCCL, timed beside one GPU's SDPA
 engine            the finished implementations, generated from the solution cells of source/
 """
 
