@@ -72,6 +72,16 @@ BUGS = {
     "no_rescale": "neither l nor a was rescaled: the partial states were added up without the factor "
                   "exp(m_i - m)",
 }
+# What a switched-on step of a kernel typically gets wrong, for check_against_baseline: the keyword that
+# switches the step, and the mistake in the learner's words.
+STEP_HINTS = {
+    "split_diagonal": "an unmasked tile held a key that some query of the block may not see. Only tiles ending at "
+                      "or before the block's first query position may skip the mask: round that position down to "
+                      "a tile.",
+    "splits": "the merge of the chunks' partials. Each partial (m_i, l_i, acc_i) must be rescaled by exp(m_i - M), "
+              "M the largest m_i, in both the numerator and the denominator; a chunk that holds no key has "
+              "m = -inf and weighs 0.",
+}
 TILED_BUGS = (*(name for name in recurrence.BUGS if name is not None), "no_rescale")
 WHOLE_BUGS = tuple(name for name in BUGS if name not in TILED_BUGS)
 
@@ -320,11 +330,12 @@ def _matching_bugs(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: floa
 
 
 def explain_output(got, case: Case, rtol: float | None = None, atol: float | None = None,
-                   tile: int | None = None, what: str = "attention") -> str | None:
+                   tile: int | None = None, what: str = "attention", advice: bool = True) -> str | None:
     """None when `got` matches the reference for `case`, else a message naming where and which mistake.
 
     `tile` is the key tile size the function was asked to use; when given, the tiled mistakes
-    (l or a not rescaled, softmax per tile) are recognised too.
+    (l or a not rescaled, softmax per tile) are recognised too. Without `advice`, a wrong output that
+    matches no recognised mistake gets no list of usual suspects (the caller knows better).
     """
     where = f"{what}, {case.describe()}"
     case = case.to("cpu")                                       # references on the CPU, wherever `got` was computed
@@ -367,7 +378,8 @@ def explain_output(got, case: Case, rtol: float | None = None, atol: float | Non
     bugs = _matching_bugs(got, case, want, rtol, atol, tile)
     if bugs:
         return f"{message} This is exactly what happens when " + ", or when ".join(BUGS[b] for b in bugs) + "."
-    return message + " Check the scale 1/sqrt(D), the causal mask by position, and the KV head of each query head."
+    return message + (" Check the scale 1/sqrt(D), the causal mask by position, and the KV head of each query head."
+                      if advice else "")
 
 
 def check_attention(fn: Callable, cases: Iterable[Case], rtol: float | None = None, atol: float | None = None,
@@ -388,6 +400,27 @@ def check_attention(fn: Callable, cases: Iterable[Case], rtol: float | None = No
         problem = explain_output(got, case, rtol, atol, tile, what)
         if problem:
             raise AssertionError(problem)
+
+
+def check_against_baseline(fn: Callable, cases: Iterable[Case], baseline: dict, hint: str,
+                           tile_arg: str | None = None) -> None:
+    """Like check_attention, for a function with a switch that changes how, not what, it computes: each case
+    is first called with the keyword arguments `baseline` (the plain path: one split, one masked loop). When
+    that is right and the case as given is wrong, the message adds `hint`, what the step being switched
+    adds and how it typically goes wrong; when the baseline is wrong too, its own message is raised."""
+    what = getattr(fn, "__name__", "attention")
+    plain = ", ".join(f"{key}={value!r}" for key, value in baseline.items())
+    for case in cases:
+        check_attention(fn, [case.with_kwargs(**baseline)], tile_arg=tile_arg)
+        try:
+            got = case.call(fn)
+        except ValueError as error:
+            raise AssertionError(_explain_value_error(case, error, what)) from None
+        problem = explain_output(got, case, tile=case.kwargs.get(tile_arg) if tile_arg else None, what=what,
+                                 advice=False)
+        if problem:
+            raise AssertionError(f"{problem} With {plain} the same case is right, so the mistake is in the step "
+                                 f"that setting changes: {hint}")
 
 
 def _explain_value_error(case: Case, error: ValueError, what: str) -> str:

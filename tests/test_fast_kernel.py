@@ -84,3 +84,42 @@ def test_validation():
                  lambda: fast_attention(q, q, q, block_m=16), lambda: fast_attention(q, q, q, query_offset=-1)):
         with pytest.raises(ValueError):
             call()
+
+
+def test_engine_passes_hidden_validation():
+    from autograder.hidden import fast_kernel as hidden
+
+    hidden.test_validation(fast_attention, fast_decode)
+
+
+@pytest.mark.parametrize("grade_id", ["test_prefill", "test_diagonal_split", "test_window_and_skipping",
+                                      "test_decode", "test_validation"])
+def test_visible_cells_pass_the_engine(grade_id):
+    """05's visible test cells (hidden tests removed), run on the exported engine."""
+    from autograder import build
+
+    cell = next(c for c in build.solution_cells("05_fast_kernel").cells
+                if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    exec(cell.source, {"fast_attention": fast_attention, "fast_decode": fast_decode})  # noqa: S102  (the course's cell)
+
+
+def test_check_against_baseline_names_the_switched_step():
+    """A step that breaks only when switched on is named; a baseline that is wrong too gets its own message."""
+    case = ac.make_case("prefill", q_heads=2, kv_heads=1, t=9, s=9, seed=5)
+
+    def broken_split(q, k, v, split_diagonal=True):
+        out = reference.attention(q, k, v).to(q.dtype)
+        return out + 1.0 if split_diagonal else out
+
+    with pytest.raises(AssertionError, match="With split_diagonal=False the same case is right.*unmasked tile"):
+        ac.check_against_baseline(broken_split, [case], {"split_diagonal": False}, ac.STEP_HINTS["split_diagonal"])
+
+    def broken_everywhere(q, k, v, split_diagonal=True):
+        return reference.attention(q, k, v).to(q.dtype) + 1.0
+
+    with pytest.raises(AssertionError) as error:
+        ac.check_against_baseline(broken_everywhere, [case], {"split_diagonal": False},
+                                  ac.STEP_HINTS["split_diagonal"])
+    assert "split_diagonal=False" in str(error.value) and "unmasked tile" not in str(error.value)
+    ac.check_against_baseline(lambda q, k, v, split_diagonal=True: reference.attention(q, k, v).to(q.dtype), [case],
+                              {"split_diagonal": False}, ac.STEP_HINTS["split_diagonal"])

@@ -22,15 +22,21 @@ def _dims():
 
 
 def test_validation(fast_attention, fast_decode) -> None:
-    """04's ValueErrors for fast_attention; for fast_decode the same ones, and T != 1."""
+    """The visible test's ValueErrors on other shapes: fast_attention's own three, fast_decode's."""
     rt = runtime.current()
-    kc.check_validation(fast_attention, rt.device, rt.dtype)
-    base = dict(s=8, dtype=rt.dtype, device=rt.device)
-    ac.check_raises(fast_decode, ac.make_case("D=24", q_heads=2, kv_heads=2, t=1, d=24, **base),
-                    "the head dimension 24 is not a power of two")
-    ac.check_raises(fast_decode, ac.make_case("Hq=3, Hkv=2", q_heads=3, kv_heads=2, t=1, **base),
-                    "3 query heads cannot be shared evenly by 2 KV heads")
-    ac.check_raises(fast_decode, ac.make_case("T=2", q_heads=2, kv_heads=2, t=2, **base),
+    base = dict(q_heads=4, kv_heads=2, t=5, s=12, dtype=rt.dtype, device=rt.device, seed=60)
+    ac.check_raises(fast_attention, ac.make_case("window=2, causal=False, blocks given", window=2, causal=False,
+                                                 block_m=16, block_n=16, **base), "a sliding window needs causal=True")
+    ac.check_raises(fast_attention, ac.make_case("block_n=32 alone", block_n=32, **base),
+                    "give both block_m and block_n, or neither")
+    ac.check_raises(fast_attention, ac.make_case("query_offset=-4", query_offset=-4, **base),
+                    "a causal query before key 0 sees no key")
+    decode = dict(s=20, dtype=rt.dtype, device=rt.device, seed=61)
+    ac.check_raises(fast_decode, ac.make_case("D=48", q_heads=2, kv_heads=2, t=1, d=48, **decode),
+                    "the head dimension 48 is not a power of two")
+    ac.check_raises(fast_decode, ac.make_case("Hq=6, Hkv=4", q_heads=6, kv_heads=4, t=1, **decode),
+                    "6 query heads cannot be shared evenly by 4 KV heads")
+    ac.check_raises(fast_decode, ac.make_case("T=3", q_heads=2, kv_heads=2, t=3, **decode),
                     "decode takes one query per sequence")
 
 
@@ -65,8 +71,7 @@ def test_diagonal_split(fast_attention) -> None:
     """Unmasked tiles below the diagonal, masked ones on it: the same output as one masked loop."""
     rt, dims = _dims()
     rng = random.Random(52)
-    words = ("an unmasked tile held a key that some query of the block may not see. Only tiles ending at or before "
-             "the block's first query position may skip the mask: round that position down to a tile.")
+    words = ac.STEP_HINTS["split_diagonal"]
     for (block_m, block_n), t, s, offset in (((16, 16), 37, 37, None), ((32, 16), 45, 45, None),
                                               ((16, 32), 40, 40, None), ((16, 16), 9, 60, 13),
                                               ((32, 16), 20, 71, None), ((16, 16), 30, 30, 0)):
@@ -113,9 +118,5 @@ def test_decode(fast_decode) -> None:
             got = fast_decode(q, k, v, splits=splits).cpu().double()
             if not torch.allclose(got, want, rtol=rtol, atol=atol):
                 error = (got - want).abs().max()
-                hint = (" Some chunks hold no key here: their partial must have m = -inf and weigh 0 in the merge."
-                        if splits and splits * 16 > s else "")
-                raise AssertionError(
-                    f"fast_decode, {where}, splits={splits}: max |error| {error:.2e}, while splits=1 is right. The "
-                    "merge is wrong: each partial (m_i, l_i, acc_i) must be rescaled by exp(m_i - M), M the largest "
-                    f"m_i, in both the numerator and the denominator.{hint}")
+                raise AssertionError(f"fast_decode, {where}, splits={splits}: max |error| {error:.2e}, while splits=1 "
+                                     f"is right. The mistake is in {ac.STEP_HINTS['splits']}")

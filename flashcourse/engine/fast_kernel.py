@@ -212,7 +212,7 @@ def fast_attention(q, k, v, query_offset=None, block_m=None, block_n=None, windo
     `window` keeps each query's `window` latest positions. causal=False lets every query see every
     key. Without block_m and block_n, triton.autotune picks the blocks, warps and stages for the
     shape; with them, the kernel runs as given and `launch` (num_warps, num_stages) goes to it.
-    exp2, split_diagonal and tma switch this chapter's steps off, to measure what each one gives;
+    exp2, split_diagonal and tma switch this notebook's steps off, to measure what each one gives;
     tma=None uses tensor descriptors wherever tma_supported says they run.
     """
     _check_inputs(q, k, v)
