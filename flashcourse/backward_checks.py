@@ -281,8 +281,10 @@ def check_forward_lse(fn: Callable, cases: Iterable[Case], tile_arg: str | None 
         try:
             result = case.call(fn)
         except ValueError as error:
-            raise AssertionError(f"{what}, {case.describe()}: raised ValueError({str(error)!r}); a row that sees no "
-                                 "key is not an error here: its o is 0 and its lse -inf") from None
+            why = (" A row that sees no key is not an error here: its o is 0 and its lse -inf."
+                   if bool(_empty_rows(case).any()) else "")
+            raise AssertionError(f"{what}, {case.describe()}: raised ValueError({str(error)!r}) on valid "
+                                 f"arguments.{why}") from None
         problem = explain_forward(result, case, case.kwargs.get(tile_arg) if tile_arg else None, what)
         if problem:
             raise AssertionError(problem)
@@ -321,12 +323,15 @@ def explain_gradients(result, case: Case, do: torch.Tensor, what: str = "backwar
         return got
     want = reference_gradients(case, do)
     empty = _empty_rows(case)
+    nan_rows = torch.isnan(got[0]).any(-1)                             # [B, Hq, T]: rows of dq with a NaN
     for name, g in zip(GRADIENTS, got):
         if bool(torch.isnan(g).any()):
-            if bool(empty.any()):
-                return f"{where}: NaN in {name}. This is what happens when {NAN_HINT}."
-            return (f"{where}: NaN in {name}, although every query row sees a key: look for inf - inf or 0 / 0 "
-                    "(is lse finite? is P rebuilt as exp(S - lse) only for visible keys?)")
+            # A row that sees no key turns NaN in its own dq first (dS of that row); dk and dv follow.
+            if bool(nan_rows.any()) and bool(empty[:, None, :].expand_as(nan_rows)[nan_rows].all()):
+                return f"{where}: NaN in {name}, from the rows that see no key. This is what happens when {NAN_HINT}."
+            return (f"{where}: NaN in {name}" + (", although every query row sees a key" if not bool(empty.any())
+                                                 else "") + ": look for inf - inf or 0 / 0 (is P rebuilt as "
+                    "exp(S - lse) only for visible keys?)")
     rtol, atol = ac.tolerance(case.q.dtype)
     wrong = [(name, g, w) for name, g, w in zip(GRADIENTS, got, want) if _first_wrong(g, w, rtol, atol)]
     if not wrong:
@@ -420,21 +425,29 @@ def check_backward_memory(fn: Callable, case: Case, tile_arg: str = "tile") -> N
                              "mistake's, so their memory use is not graded.")
 
 
+# The backward's probe: one float32 [B, Hq, T, S] matrix of 256 MiB against an allowance of 192 MiB. Smaller
+# than the forward's (attention_checks.PROBE_SCORE_BYTES) because the backward does about 2.5 times its work
+# per score and a learner's loop over query and key tiles must finish within one cell's time in the jail;
+# a tiled backward holds a few [B, Hq, T, tile] tensors, about 80 MiB here.
+PROBE_MATRIX_BYTES = 256 << 20
+PROBE_ALLOWANCE = 192 << 20
+
+
 def _check_backward_memory_from_outside(fn: Callable, case: Case, tile_arg: str) -> None:
     what = getattr(fn, "__name__", "backward")
     b, hq, t, d = case.q.shape
     hkv, s = case.k.shape[1], case.k.shape[2]
-    grow = math.ceil(math.sqrt(ac.PROBE_SCORE_BYTES / (4 * b * hq * t * s)))
+    grow = math.ceil(math.sqrt(PROBE_MATRIX_BYTES / (4 * b * hq * t * s)))
     big = ac.make_case(f"{case.name}, {grow}x longer", batch=b, q_heads=hq, kv_heads=hkv, t=t * grow, s=s * grow,
                        d=d, seed=t * s, **{tile_arg: ac.PROBE_TILE})
     do = upstream(big)
     o, lse = _saved_by_rows(big)
     matrix_mib = 4 * b * hq * big.q.shape[2] * big.k.shape[2] >> 20
     try:
-        result = fn.limited_call(ac.PROBE_ALLOWANCE, big.q, big.k, big.v, o, lse, do, **big.kwargs)
+        result = fn.limited_call(PROBE_ALLOWANCE, big.q, big.k, big.v, o, lse, do, **big.kwargs)
     except MemoryError as error:
         raise AssertionError(
-            f"{what}, {big.describe()}: with its memory limited to {ac.PROBE_ALLOWANCE >> 20} MiB beyond what the "
+            f"{what}, {big.describe()}: with its memory limited to {PROBE_ALLOWANCE >> 20} MiB beyond what the "
             f"kernel held at start-up, it failed ({error}). One [T, S] float32 matrix of P for this case alone takes "
             f"{matrix_mib} MiB: rebuild P one key tile at a time and never keep it whole.") from None
     got = _as_gradients(result, big, f"{what}, {big.describe()}")
