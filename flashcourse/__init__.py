@@ -9,6 +9,8 @@ attention_checks  the same for tensors (03 onwards): GQA mapping, offsets, masks
 kernel_checks     the same for Triton kernels (04 onwards): block skipping, windows, dtypes
 warmup_checks     04's Triton warm-up: the PyTorch specs of four small kernels and checks that name masks,
                   strides, an unsubtracted maximum or counted masked lanes
+backward_checks   06's checks: o and lse, and gradients against autograd, naming Delta left out or wrong, P rebuilt
+                  without l or in the wrong base, the scale, the mask, dk/dv not summed over a GQA group, NaN rows
 ring_checks       07's checks: the (o, lse) merge, the zigzag layout, rings run on real process groups
 distributed       runs a function on P local ranks of a torch.distributed group (answers no exercise)
 memory            an allocation tracker, to show what the unfused and tiled versions keep alive
