@@ -174,7 +174,7 @@ def make_case(name: str, batch: int = 1, q_heads: int = 2, kv_heads: int = 1, t:
 
 
 def standard_cases(dtype: torch.dtype = torch.float32, device="cpu", d: int = 16, seed: int = 0) -> list[Case]:
-    """Prefill, chunked prefill, decode, GQA, batches, a value dim different from D, large scores.
+    """Prefill, chunked prefill, decode, GQA, batches, large scores (v has the head dim of q and k).
 
     No case gives positions, so a function that takes only q, k, v (offset S - T) can run all of them.
     """
