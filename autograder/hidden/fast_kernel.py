@@ -74,7 +74,8 @@ def test_diagonal_split(fast_attention) -> None:
     words = ac.STEP_HINTS["split_diagonal"]
     for (block_m, block_n), t, s, offset in (((16, 16), 37, 37, None), ((32, 16), 45, 45, None),
                                               ((16, 32), 40, 40, None), ((16, 16), 9, 60, 13),
-                                              ((32, 16), 20, 71, None), ((16, 16), 30, 30, 0)):
+                                              ((32, 16), 20, 71, None), ((16, 16), 30, 30, 0),
+                                              ((16, 16), 37, 21, 0)):  # queries past the last key
         spec = dict(query_offset=offset) if offset is not None else {}
         c = kc.case(f"{block_m}x{block_n}, T={t}, S={s}", q_heads=2, kv_heads=1, t=t, s=s, d=rng.choice(dims),
                     block_m=block_m, block_n=block_n, dtype=rt.dtype, device=rt.device, seed=rng.randrange(10**6),

@@ -143,7 +143,7 @@ def fast_fwd_kernel(
         start = (first_key // BLOCK_N) * BLOCK_N
     masked_from = start
     if SPLIT_DIAGONAL and not WINDOWED:
-        masked_from = (diagonal // BLOCK_N) * BLOCK_N    # the first tile that holds a hidden key
+        masked_from = (tl.minimum(diagonal, stop) // BLOCK_N) * BLOCK_N  # first tile with a hidden key (or a key past S)
         for n0 in range(start, masked_from, BLOCK_N):    # off the diagonal: no mask, no -inf
             acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, window,
                                      qk_scale, D, BLOCK_N, False, CAUSAL, WINDOWED, USE_EXP2, USE_TMA, DOT_PRECISION)
