@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import torch
 
@@ -36,17 +33,15 @@ LENGTHS = (1024, 2048, 4096, 8192, 16384)
 SPEED = [(causal, d) for causal in (True, False) for d in (128, 64)]  # (causal, D), each over LENGTHS
 Q_HEADS, KV_HEADS = 32, 8
 BACKWARD_FACTOR = 2.5           # backward FLOPs / forward FLOPs
-STAGING = Path(__file__).resolve().parent.parent / "source" / "06_backward" / "triton_part.py"
 
 
 @functools.cache
 def engine():
-    """The course's backward kernels: flash_attention_lse, flash_attention_backward, flash_attention_train."""
-    spec = importlib.util.spec_from_file_location("flashcourse_backward_kernels", STAGING)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The course's backward kernels (flash_attention_lse, flash_attention_backward, flash_attention_train):
+    flashcourse.engine.backward, exported from 06's notebook."""
+    from flashcourse.engine import backward
+
+    return backward
 
 
 def forward_flops(batch: int, q_heads: int, t: int, s: int, d: int, causal: bool) -> float:
