@@ -94,16 +94,14 @@ def test_test_cells_are_self_contained(assignment):
 
 
 
-def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypatch):
-    """--no-execute: new prose and test-cell text reach the executed solution, its outputs stay, and the
-    solution counts as current; a changed code cell that has outputs is refused."""
+def _executed_solution(assignment, tmp_path, monkeypatch):
+    """A copy of source/<assignment> and an "executed" solution of it under tmp_path, one of whose code cells
+    carries an output standing for one made on a GPU: (the solution, that cell's index, the solution's path)."""
     import shutil
 
-    assignment = "01_online_softmax"
     shutil.copytree(build.source_notebook(assignment).parent, tmp_path / "source" / assignment)
     monkeypatch.setattr(build, "SOURCE", tmp_path / "source")
     monkeypatch.setattr(build, "SOLUTIONS", tmp_path / "solutions")
-    # An "executed" solution of the current source, with an output standing for one made on a GPU.
     executed = build.solution_cells(assignment)
     shown = next(i for i, c in enumerate(executed.cells) if c.cell_type == "code" and "grade" not in
                  c.metadata.get("nbgrader", {}))
@@ -111,6 +109,14 @@ def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypa
     solution = tmp_path / "solutions" / assignment / f"{assignment}.ipynb"
     solution.parent.mkdir(parents=True)
     nbformat.write(executed, solution)
+    return executed, shown, solution
+
+
+def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypatch):
+    """--no-execute: new prose and test-cell text reach the executed solution, its outputs stay, and the
+    solution counts as current; a changed code cell that has outputs is refused."""
+    assignment = "01_online_softmax"
+    executed, shown, solution = _executed_solution(assignment, tmp_path, monkeypatch)
 
     nb = _source(assignment)
     prose = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown")
@@ -138,19 +144,8 @@ def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypa
 def test_carry_text_takes_new_cells_without_outputs(tmp_path, monkeypatch):
     """--no-execute: a cell added to source/ comes into the executed solution without outputs and is listed as
     not executed; a removed cell goes; the outputs of the cells both have stay."""
-    import shutil
-
     assignment = "01_online_softmax"
-    shutil.copytree(build.source_notebook(assignment).parent, tmp_path / "source" / assignment)
-    monkeypatch.setattr(build, "SOURCE", tmp_path / "source")
-    monkeypatch.setattr(build, "SOLUTIONS", tmp_path / "solutions")
-    executed = build.solution_cells(assignment)
-    shown = next(i for i, c in enumerate(executed.cells) if c.cell_type == "code" and "grade" not in
-                 c.metadata.get("nbgrader", {}))
-    executed.cells[shown].outputs = [nbformat.v4.new_output("stream", name="stdout", text="made on a GPU\n")]
-    solution = tmp_path / "solutions" / assignment / f"{assignment}.ipynb"
-    solution.parent.mkdir(parents=True)
-    nbformat.write(executed, solution)
+    executed, shown, solution = _executed_solution(assignment, tmp_path, monkeypatch)
 
     nb = _source(assignment)
     added = nbformat.v4.new_code_cell("print('new')")
