@@ -30,6 +30,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,14 +228,19 @@ def register(assignment: str, templates: Path) -> Path:
 
 
 def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
-          cell_timeout: int | None = None, trusted: bool = False) -> list[Outcome]:
+          cell_timeout: int | None = None, trusted: bool = False, scheduler: str | None = None) -> list[Outcome]:
     """Grade every student of every assignment under `submissions`; write grades, feedback and summary to `out`.
 
-    Raises jail.NoJail before grading anything when no jail can be built here, unless `trusted`.
+    Notebooks are graded by `jobs` threads here, or on a Dask cluster when `scheduler` is given: the
+    address of its scheduler, or "local" for a cluster of `jobs` processes on this machine (see
+    autograder/cluster.py). Raises jail.NoJail before grading anything when no jail can be built on
+    the machine that would run the notebooks (this one, unless the scheduler is remote), unless
+    `trusted`; remote workers refuse on their own.
     """
     from tqdm import tqdm
 
-    no_jail = jail.why_no_jail()
+    remote = scheduler not in (None, "local")
+    no_jail = None if remote else jail.why_no_jail()
     if no_jail and not trusted:
         raise jail.NoJail(f"learners' notebooks are only run in a jail, and none can be built here: {no_jail}")
     submissions, out = submissions.resolve(), out.resolve()
@@ -247,22 +253,38 @@ def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
     asked = {a: questions(templates[a]) for a in assignments}  # read once, before any student runs
     outcomes = [zeros(o.student, o.assignment, asked[o.assignment], o.problem) if o.assignment in asked else o
                 for o in outcomes]
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool, \
-            tqdm(total=len(todo), desc="grading", unit="notebook", disable=not progress, file=sys.stdout) as bar:
+    if scheduler:
+        from .cluster import grade_on_cluster
+
+        graded = grade_on_cluster(scheduler, todo, templates, asked, out, jobs, cell_timeout, trusted)
+    else:
+        graded = ((outcome, no_jail) for outcome in _grade_here(todo, templates, asked, out, jobs, cell_timeout, trusted))
+    unjailed = set()
+    with tqdm(total=len(todo), desc="grading", unit="notebook", disable=not progress, file=sys.stdout) as bar:
+        for outcome, why in graded:
+            outcomes.append(outcome)
+            unjailed |= {why} - {None}
+            bar.set_postfix_str(f"{outcome.student}/{outcome.assignment}")
+            bar.update()
+    outcomes.sort(key=lambda o: (o.assignment, o.student))
+    write_csv(outcomes, out / "grades.csv")
+    (out / "summary.txt").write_text(summary(outcomes, "; ".join(sorted(unjailed)) or None))
+    return outcomes
+
+
+def _grade_here(todo: list[tuple[str, str, Path]], templates: dict[str, Path],
+                asked: dict[str, list[tuple[str, str, float]]], out: Path, jobs: int,
+                cell_timeout: int | None, trusted: bool) -> Iterator[Outcome]:
+    """Grade each (student, assignment, notebook) of `todo` with `jobs` threads on this machine, as each ends."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(grade_one, s, a, nb, templates[a], out, asked[a], cell_timeout, trusted): (s, a)
                    for s, a, nb in todo}
         for future in as_completed(futures):
             student, assignment = futures[future]
             try:
-                outcomes.append(future.result())
+                yield future.result()
             except Exception as error:  # a grader fault must not lose the other students' grades
-                outcomes.append(zeros(student, assignment, asked[assignment], f"grader error: {error}"))
-            bar.set_postfix_str(f"{student}/{assignment}")
-            bar.update()
-    outcomes.sort(key=lambda o: (o.assignment, o.student))
-    write_csv(outcomes, out / "grades.csv")
-    (out / "summary.txt").write_text(summary(outcomes, no_jail))
-    return outcomes
+                yield zeros(student, assignment, asked[assignment], f"grader error: {error}")
 
 
 def write_csv(outcomes: list[Outcome], path: Path) -> None:

@@ -7,7 +7,7 @@ import yaml
 
 from conftest import ROOT
 
-CONDA_NAMES = {"pytorch": "torch"}  # conda-forge names that differ from PyPI's
+CONDA_NAMES = {"pytorch": "torch", "dask-core": "dask"}  # conda-forge names that differ from PyPI's
 
 
 def _name(requirement: str) -> str:

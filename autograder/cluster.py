@@ -1,0 +1,190 @@
+"""Grading on a Dask distributed cluster: each (student, assignment) is one task, graded on a worker.
+
+    python -m autograder grade SUBMISSIONS --scheduler tcp://HOST:8786   # workers on other machines
+    python -m autograder grade SUBMISSIONS --scheduler local             # a Dask cluster on this machine
+
+Workers need not see the instructor's files. The instructor's side reads each notebook safely
+(grade.read_submission) and sends its bytes with the task, and the assignment's template gradebook's. On the worker, `grade_on_worker` writes both into a scratch folder of its
+own and runs grade.grade_one there, in the worker's own jail, then returns the Outcome with the
+autograded and feedback files as bytes, which the instructor's side writes into the one output
+folder. A worker that cannot build a jail refuses every task with the reason (unless the instructor
+passed --trusted), and so does a worker whose course differs from the instructor's (other hidden
+tests would give other grades).
+
+A worker that dies mid-notebook has its task run again on another worker once: the scheduler allows
+ALLOWED_FAILURES deaths per task (its own setting: `local` sets it, a remote scheduler must be started
+with it, see the README). After that the student gets zero and a line in the summary, never nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+
+from . import ROOT, jail
+from .grade import MAX_NOTEBOOK_BYTES, Outcome, grade_one, read_submission, zeros
+
+ALLOWED_FAILURES = 1                # worker deaths a task survives: one retry on another worker
+MAX_RESULT_BYTES = 4 * MAX_NOTEBOOK_BYTES   # the autograded and feedback files of one notebook, together
+IN_FLIGHT_PER_THREAD = 2            # notebooks sent ahead per worker thread: the rest wait on the instructor's side
+WORKER_WAIT_S = 120                 # how long grading waits for a first worker before giving up
+RESULT_KINDS = ("autograded", "feedback")
+# What decides a grade on the worker's side: if any of it differs from the instructor's, grades would too.
+GRADING_CODE = ("nbgrader_config.py", "autograder/*.py", "autograder/hidden/**/*.py", "flashcourse/**/*.py")
+
+
+class NoWorkers(RuntimeError):
+    """The scheduler has no worker to grade on."""
+
+
+def course_digest() -> dict[str, str]:
+    """sha256 of every file of the course that decides a grade, by path: compared between instructor and worker."""
+    return {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for pattern in GRADING_CODE for p in sorted(ROOT.glob(pattern)) if p.is_file()}
+
+
+def _differences(theirs: dict[str, str], ours: dict[str, str]) -> list[str]:
+    return sorted(path for path in theirs.keys() | ours.keys() if theirs.get(path) != ours.get(path))
+
+
+def _worker_name() -> str:
+    from distributed import get_worker
+
+    worker = get_worker()
+    return str(worker.name) if worker.name is not None else worker.address
+
+
+def grade_on_worker(student: str, assignment: str, notebook: bytes, template: bytes,
+                    questions: list[tuple[str, str, float]], cell_timeout: int | None, trusted: bool,
+                    digest: dict[str, str]) -> tuple[Outcome, dict[str, bytes], str | None]:
+    """Runs on a worker: grade one notebook in a scratch folder; (outcome, result files by path, why unjailed).
+
+    The files are keyed "<kind>/<path inside the student's folder>"; they are left out, with an
+    anomaly, when together they exceed MAX_RESULT_BYTES. The last item is why this worker had no jail
+    when it graded as --trusted, else None.
+    """
+    from distributed import get_worker
+
+    where = _worker_name()
+    differ = _differences(digest, course_digest())
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        return zeros(student, assignment, questions, f"not graded: worker {where} has another version of the course "
+                     f"({shown} differ from the instructor's); give it the same course to grade with"), {}, None
+    no_jail = jail.why_no_jail()
+    if no_jail and not trusted:
+        return zeros(student, assignment, questions, f"not graded: learners' notebooks are only run in a jail, "
+                     f"and worker {where} cannot build one: {no_jail}"), {}, None
+    with tempfile.TemporaryDirectory(prefix="flashcourse-task-", dir=get_worker().local_directory) as tmp:
+        scratch = Path(tmp)
+        submitted = scratch / "submitted" / f"{assignment}.ipynb"
+        submitted.parent.mkdir()
+        submitted.write_bytes(notebook)
+        gradebook = scratch / "template.db"
+        gradebook.write_bytes(template)
+        out = scratch / "out"
+        outcome = grade_one(student, assignment, submitted, gradebook, out, questions, cell_timeout, trusted)
+        files = {}
+        for kind in RESULT_KINDS:
+            folder = out / kind / student / assignment
+            for path in sorted(folder.rglob("*")):
+                if path.is_file() and not path.is_symlink():
+                    files[f"{kind}/{path.relative_to(folder).as_posix()}"] = path.read_bytes()
+        size = sum(map(len, files.values()))
+        if size > MAX_RESULT_BYTES:
+            outcome.anomalies.append(f"the autograded notebook and feedback were not kept: {size >> 20} MiB, over "
+                                     f"the {MAX_RESULT_BYTES >> 20} MiB limit")
+            files = {}
+    return outcome, files, no_jail
+
+
+def write_results(out: Path, student: str, assignment: str, files: dict[str, bytes]) -> None:
+    """Write a worker's result files into out/<kind>/<student>/<assignment>/, refusing any path that leaves it."""
+    for name, data in files.items():
+        path = PurePosixPath(name)
+        if path.is_absolute() or ".." in path.parts or len(path.parts) < 2 or path.parts[0] not in RESULT_KINDS:
+            raise ValueError(f"a worker returned a file outside the student's folders: {name!r}")
+        target = out / path.parts[0] / student / assignment / Path(*path.parts[1:])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def _client(scheduler: str, jobs: int):
+    """A client of the scheduler at `scheduler`, or of a new cluster of `jobs` processes on this machine for 'local'."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    if scheduler != "local":
+        return Client(scheduler)
+    with dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES}):
+        cluster = LocalCluster(n_workers=max(1, jobs), threads_per_worker=1, processes=True,
+                               dashboard_address=None, silence_logs=logging.ERROR)
+    return Client(cluster, set_as_default=False)
+
+
+def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], templates: dict[str, Path],
+                     asked: dict[str, list[tuple[str, str, float]]], out: Path, jobs: int,
+                     cell_timeout: int | None, trusted: bool) -> Iterator[tuple[Outcome, str | None]]:
+    """Grade each (student, assignment, notebook) of `todo` on the cluster; yield (outcome, why a worker had no jail).
+
+    Results are written into `out` as they arrive. Notebooks are read here and sent a few at a time,
+    so that a large class does not sit in memory at once.
+    """
+    from distributed import KilledWorker, as_completed
+
+    client = _client(scheduler, jobs)
+    try:
+        try:
+            client.wait_for_workers(1, timeout=WORKER_WAIT_S)
+        except TimeoutError:
+            raise NoWorkers(f"no Dask worker joined the scheduler at {scheduler} within {WORKER_WAIT_S} s: "
+                            f"start some (see the README)") from None
+        # Sent with every task rather than scattered once: data held by a worker dies with it, a task's own doesn't.
+        gradebooks = {assignment: path.read_bytes() for assignment, path in templates.items()}
+        digest = course_digest()
+        ahead = IN_FLIGHT_PER_THREAD * (sum(client.nthreads().values()) or 1)
+        pending = iter(todo)
+        running = as_completed(loop=client.loop)
+        tasks = {}
+
+        def send() -> Iterator[tuple[Outcome, str | None]]:
+            """Submit notebooks until `ahead` are on the cluster; yield the outcome of those that cannot be read."""
+            while running.count() < ahead:
+                student, assignment, notebook = next(pending, (None, None, None))
+                if student is None:
+                    return
+                try:
+                    submitted = read_submission(notebook)
+                except (OSError, ValueError) as error:
+                    reason = "it is a symbolic link" if isinstance(error, OSError) and notebook.is_symlink() else str(error)
+                    yield zeros(student, assignment, asked[assignment], f"the notebook was not graded: {reason}"), None
+                    continue
+                future = client.submit(grade_on_worker, student, assignment, submitted, gradebooks[assignment],
+                                       asked[assignment], cell_timeout, trusted, digest, pure=False, retries=1,
+                                       key=f"grade-{student}-{assignment}-{uuid.uuid4().hex[:8]}")
+                tasks[future.key] = (student, assignment)
+                running.add(future)
+
+        yield from send()
+        for future in running:
+            student, assignment = tasks.pop(future.key)
+            try:
+                outcome, files, unjailed = future.result()
+                write_results(out, student, assignment, files)
+            except KilledWorker:
+                outcome, unjailed = zeros(student, assignment, asked[assignment],
+                                          f"not graded: the worker grading it died, {ALLOWED_FAILURES + 1} times"), None
+            except Exception as error:  # a grader fault must not lose the other students' grades
+                outcome, unjailed = zeros(student, assignment, asked[assignment], f"grader error: {error}"), None
+            future.release()
+            yield outcome, unjailed
+            yield from send()
+    finally:
+        cluster = client.cluster
+        client.close()
+        if cluster is not None:
+            cluster.close()

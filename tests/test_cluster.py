@@ -1,0 +1,202 @@
+"""Grading on a real Dask cluster: a scheduler and workers in processes of their own, on 127.0.0.1.
+
+The workers are started as on another machine (`dask worker`, the course on PYTHONPATH, a scratch
+folder of their own); grades must equal the local run's, a killed worker's notebook must be graded
+by the other one, and a worker without a jail must refuse.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from autograder import cluster, grade, jail
+from conftest import ROOT, SAMPLES, expected_scores
+
+pytestmark = pytest.mark.slow
+ASSIGNMENT = "01_online_softmax"
+START_TIMEOUT_S = 60
+
+
+def _submissions(into: Path, students: list[str]) -> Path:
+    """A submitted/ folder holding these sample students' 01 notebooks."""
+    for student in students:
+        shutil.copytree(SAMPLES / "submitted" / student / ASSIGNMENT, into / student / ASSIGNMENT)
+    return into
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """Kill a process and everything it started (nbgrader and the jail run in sessions of their own)."""
+    for pid in [process.pid, *jail.descendants(process.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+@contextmanager
+def dask_cluster(folder: Path, workers: list[str], worker_env: dict[str, str] | None = None):
+    """A `dask scheduler` and one single-threaded `dask worker` per name: (scheduler address, processes by name)."""
+    from distributed import Client
+
+    folder.mkdir(parents=True, exist_ok=True)
+    scheduler_file = folder / "scheduler.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": str(cluster.ALLOWED_FAILURES)}
+    common = ["--host", "127.0.0.1", "--no-dashboard", "--scheduler-file", str(scheduler_file)]
+    log = (folder / "dask.log").open("w")
+    started = [subprocess.Popen([sys.executable, "-m", "dask", "scheduler", "--port", "0", *common],
+                                cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not scheduler_file.exists():
+            assert time.monotonic() < deadline and started[0].poll() is None, "the scheduler did not start"
+            time.sleep(0.2)
+        by_name = {}
+        for name in workers:
+            by_name[name] = subprocess.Popen(
+                [sys.executable, "-m", "dask", "worker", "--name", name, "--nthreads", "1", "--no-nanny",
+                 "--local-directory", str(folder / name), *common],
+                cwd=folder, env={**env, **(worker_env or {})}, stdout=log, stderr=subprocess.STDOUT)
+            started.append(by_name[name])
+        address = json.loads(scheduler_file.read_text())["address"]
+        with Client(address, timeout=START_TIMEOUT_S) as client:
+            client.wait_for_workers(len(workers), timeout=START_TIMEOUT_S)
+        yield address, by_name
+    finally:
+        for process in reversed(started):
+            _kill_tree(process)
+        log.close()
+
+
+def _kill_when_grading(address: str, workers: dict[str, subprocess.Popen], spare: set[str]) -> str:
+    """Wait until a worker not in `spare` is grading a notebook, kill it with all it started; its name."""
+    from distributed import Client
+
+    with Client(address) as client:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            names = {address: info["name"] for address, info in client.scheduler_info()["workers"].items()}
+            for where, keys in client.processing().items():
+                name = names.get(where)
+                if name in workers and name not in spare and any(str(k).startswith("grade-") for k in keys):
+                    time.sleep(2)  # well inside the notebook: nbgrader and the jail are running
+                    _kill_tree(workers[name])
+                    return name
+            time.sleep(0.1)
+    raise AssertionError("no worker started grading")
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """The 01 samples graded by the local thread pool: (submissions, output folder)."""
+    folder = tmp_path_factory.mktemp("local")
+    students = sorted(expected_scores()[ASSIGNMENT])
+    submissions = _submissions(folder / "submitted", students)
+    grade.grade(submissions, folder / "grades", jobs=2, progress=False)
+    return submissions, folder / "grades"
+
+
+def test_cluster_grades_equal_local_grades(local_run, tmp_path):
+    """Two `dask worker` processes grade the 01 samples: grades.csv and the result files equal the local run's."""
+    submissions, local = local_run
+    with dask_cluster(tmp_path / "cluster", ["w1", "w2"]) as (address, _):
+        outcomes = grade.grade(submissions, tmp_path / "grades", progress=False, scheduler=address)
+    assert not [o.problem for o in outcomes if o.problem]
+    assert (tmp_path / "grades" / "grades.csv").read_text() == (local / "grades.csv").read_text()
+    for kind in cluster.RESULT_KINDS:
+        here = sorted(p.relative_to(local) for p in (local / kind).rglob("*") if p.is_file())
+        there = sorted(p.relative_to(tmp_path / "grades") for p in (tmp_path / "grades" / kind).rglob("*") if p.is_file())
+        assert there == here and here, kind
+    feedback = tmp_path / "grades" / "feedback" / "bug_l_not_rescaled" / ASSIGNMENT / f"{ASSIGNMENT}.html"
+    assert "l is not multiplied by alpha" in feedback.read_text()
+
+
+def _grade_in_background(submissions: Path, out: Path, address: str) -> tuple[threading.Thread, dict]:
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        outcomes=grade.grade(submissions, out, progress=False, scheduler=address)))
+    thread.start()
+    return thread, result
+
+
+def test_killed_worker_notebook_is_graded_by_the_other(tmp_path):
+    """A worker killed mid-notebook: the scheduler runs the task again on the other worker, and the grade is right."""
+    student = "bug_l_not_rescaled"
+    submissions = _submissions(tmp_path / "submitted", [student])
+    with dask_cluster(tmp_path / "cluster", ["w1", "w2"]) as (address, workers):
+        thread, result = _grade_in_background(submissions, tmp_path / "grades", address)
+        killed = _kill_when_grading(address, workers, spare=set())
+        thread.join(timeout=300)
+        assert workers[killed].poll() is not None
+        assert all(p.poll() is None for name, p in workers.items() if name != killed)
+    [outcome] = result["outcomes"]
+    assert outcome.problem == ""
+    auto = {s.question: s.points for s in outcome.scores if s.kind == "auto"}
+    assert auto == expected_scores()[ASSIGNMENT][student]
+    assert (tmp_path / "grades" / "feedback" / student / ASSIGNMENT / f"{ASSIGNMENT}.html").exists()
+
+
+def test_notebook_whose_workers_all_die_is_reported(tmp_path):
+    """A notebook whose worker dies twice gets zero and a line in the summary, not nothing."""
+    student = "alt_correct"
+    submissions = _submissions(tmp_path / "submitted", [student])
+    with dask_cluster(tmp_path / "cluster", ["w1", "w2"]) as (address, workers):
+        thread, result = _grade_in_background(submissions, tmp_path / "grades", address)
+        first = _kill_when_grading(address, workers, spare=set())
+        _kill_when_grading(address, workers, spare={first})
+        thread.join(timeout=120)
+    [outcome] = result["outcomes"]
+    assert "the worker grading it died, 2 times" in outcome.problem
+    assert outcome.scores and not any(s.points for s in outcome.scores)
+    assert f"{student}, {ASSIGNMENT}: not graded: the worker grading it died" in (tmp_path / "grades" / "summary.txt").read_text()
+    rows = (tmp_path / "grades" / "grades.csv").read_text().splitlines()[1:]
+    assert len(rows) == len(outcome.scores) and all(row.startswith(f"{student},") for row in rows)
+
+
+@pytest.fixture(scope="module")
+def jailless_worker(tmp_path_factory):
+    """A cluster of one worker, w1, that cannot build a jail: bubblewrap is not on its PATH. The scheduler's address."""
+    folder = tmp_path_factory.mktemp("jailless")
+    (folder / "bin").mkdir()
+    with dask_cluster(folder / "cluster", ["w1"], {"PATH": f"{Path(sys.executable).parent}:{folder / 'bin'}"}) as (address, _):
+        yield address
+
+
+def test_worker_without_a_jail_refuses(jailless_worker, tmp_path):
+    """A worker where bubblewrap is missing grades nothing and says why."""
+    submissions = _submissions(tmp_path / "submitted", ["blank"])
+    [outcome] = grade.grade(submissions, tmp_path / "grades", progress=False, scheduler=jailless_worker)
+    assert "only run in a jail, and worker w1 cannot build one: bubblewrap (bwrap) is not installed" in outcome.problem
+    assert not any(s.points for s in outcome.scores)
+    assert not (tmp_path / "grades" / "autograded").exists()
+
+
+def test_worker_with_another_course_refuses(jailless_worker):
+    """A worker whose grading code differs from the instructor's names the files and grades nothing."""
+    from distributed import Client
+
+    digest = cluster.course_digest()
+    digest["autograder/hidden/online_softmax.py"] = "0" * 64
+    with Client(jailless_worker) as client:
+        outcome, files, _ = client.submit(cluster.grade_on_worker, "s", ASSIGNMENT, b"{}", b"", [("q", "auto", 1.0)],
+                                          None, False, digest, pure=False).result()
+    assert "worker w1 has another version of the course (autograder/hidden/online_softmax.py differ" in outcome.problem
+    assert files == {} and [s.points for s in outcome.scores] == [0.0]
+
+
+@pytest.mark.parametrize("name", ["../x.html", "/etc/passwd", "feedback/../../x", "templates/x.db", "feedback"])
+def test_result_files_stay_in_the_student_folder(tmp_path, name):
+    """A returned file whose path would leave out/<kind>/<student>/<assignment>/ is refused, and nothing is written."""
+    with pytest.raises(ValueError, match="outside the student's folders"):
+        cluster.write_results(tmp_path, "s", ASSIGNMENT, {name: b"x"})
+    assert not any(tmp_path.iterdir())
