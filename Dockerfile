@@ -3,6 +3,9 @@
 #   docker run --rm --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
 #       -v "$PWD/submitted:/submitted:ro" -v "$PWD/build:/course/build" \
 #       flashcourse-grader python -m autograder grade /submitted
+# or, as one grading worker of a Dask cluster (README: Grading on several machines):
+#   docker run -d --network host --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
+#       flashcourse-grader dask worker tcp://HOST:8786 --nthreads 4
 # bubblewrap creates a user namespace inside the container, which Docker's default seccomp and
 # AppArmor profiles forbid: hence the two options (or run the grader on a Linux host with bubblewrap).
 FROM python:3.11-slim-bookworm
@@ -19,4 +22,6 @@ RUN python -m venv .venv \
 RUN useradd --create-home grader && mkdir -p build && chown grader build
 USER grader
 ENV PATH=/course/.venv/bin:$PATH
+# A grading worker (`dask worker tcp://HOST:8786`, README) imports the grader from here wherever it starts.
+ENV PYTHONPATH=/course
 CMD ["python", "-m", "autograder", "--help"]
