@@ -7,9 +7,11 @@ assignment is registered once from source/ in a template gradebook. Each (studen
 then graded on its own: the one notebook is read (a regular file, never through a link, size
 capped) into a scratch course folder with a copy of the template gradebook, `nbgrader autograde`
 and `nbgrader generate_feedback` run there under a time and memory limit, and the results are
-copied out. The learner's code runs only in the jail (autograder/jail.py), which sees none of these
-folders. A student whose grading fails in any way gets zero for what was not graded and a line in
-the summary; the others are unaffected, and the batch always ends with grades.csv and the summary.
+copied out. Each nbgrader command runs in a fresh child forked from a warm server that has already
+imported nbgrader, torch and the hidden checks (autograder/warm.py), so a batch pays that start-up
+once. The learner's code runs only in the jail (autograder/jail.py), which sees none of these folders.
+A student whose grading fails in any way gets zero for what was not graded and a line in the
+summary; the others are unaffected, and the batch always ends with grades.csv and the summary.
 
 Without a working jail, grading refuses to start unless `trusted=True` (--trusted): the notebooks
 are then run without one, which is only for notebooks you trust, such as the course's samples.
@@ -23,11 +25,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-import resource
 import shutil
-import signal
 import stat
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -35,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import ROOT, jail
-from .build import assignments as known_assignments, nbgrader_environment
+from . import ROOT, jail, warm
+from .build import assignments as known_assignments
 from .execute import ANOMALIES_ENV
 
 STUDENT_TIMEOUT_S = 30 * 60     # a whole notebook; one cell is limited by nbgrader_config's JailedExecute.timeout
@@ -63,26 +62,23 @@ class Outcome:
     anomalies: list[str] = field(default_factory=list)  # what else went wrong while it was graded
 
 
+def nbgrader_args(*args: str, db: Path, folders: dict[str, Path]) -> list[str]:
+    return [*args, f"--CourseDirectory.db_url=sqlite:///{db}", "--log-level=WARN",
+            *(f"--CourseDirectory.{k}_directory={v}" for k, v in folders.items())]
+
+
 def nbgrader_cmd(*args: str, db: Path, folders: dict[str, Path]) -> list[str]:
-    return [sys.executable, "-m", "nbgrader", *args, f"--CourseDirectory.db_url=sqlite:///{db}",
-            "--log-level=WARN", *(f"--CourseDirectory.{k}_directory={v}" for k, v in folders.items())]
+    return [sys.executable, "-m", "nbgrader", *nbgrader_args(*args, db=db, folders=folders)]
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
-
-
-def run_limited(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
-    """Run cmd in its own process group under the memory limit; kill the whole group at the timeout."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=nbgrader_environment(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=_limit_memory)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out
+def run_nbgrader(args: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run `nbgrader ARGS` from the course root under the memory limit, in a fresh child of this process's
+    warm server (autograder/warm.py); its exit status (None past the timeout, when it is killed) and output."""
+    code = warm.server().run(args, str(log), timeout, env, memory=MEMORY_LIMIT_BYTES)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if code == warm.LOST:
+        text += "\nRuntimeError: the grading server stopped while this command ran"
+    return code, text
 
 
 def read_scores(db: Path, student: str) -> list[Score]:
@@ -174,8 +170,8 @@ def grade_one(student: str, assignment: str, notebook: Path, template: Path, out
         if trusted:
             options.append("--JailedExecute.trusted=True")
         env = {ANOMALIES_ENV: str(anomalies_file)}
-        code, log = run_limited(nbgrader_cmd("autograde", assignment, "--student", student, "--force", *options,
-                                             db=db, folders=folders), STUDENT_TIMEOUT_S, env)
+        code, log = run_nbgrader(nbgrader_args("autograde", assignment, "--student", student, "--force", *options,
+                                               db=db, folders=folders), scratch / "autograde.log", STUDENT_TIMEOUT_S, env)
         anomalies = anomalies_file.read_text().splitlines() if anomalies_file.exists() else []
         if code is None:
             return zeros(student, assignment, questions, f"grading stopped after {STUDENT_TIMEOUT_S} s", anomalies)
@@ -183,8 +179,8 @@ def grade_one(student: str, assignment: str, notebook: Path, template: Path, out
         if code or not scores:
             return zeros(student, assignment, questions, f"the notebook could not be graded: {explain_failure(log)}",
                          anomalies)
-        code, log = run_limited(nbgrader_cmd("generate_feedback", assignment, "--student", student, "--force",
-                                             db=db, folders=folders), STUDENT_TIMEOUT_S, env)
+        code, log = run_nbgrader(nbgrader_args("generate_feedback", assignment, "--student", student, "--force",
+                                               db=db, folders=folders), scratch / "feedback.log", STUDENT_TIMEOUT_S, env)
         if code:
             anomalies.append(f"feedback could not be generated: {explain_failure(log)}")
         for kind in ("autograded", "feedback"):
@@ -221,7 +217,8 @@ def register(assignment: str, templates: Path) -> Path:
     """A gradebook holding the assignment's grade cells, copied for each student."""
     db = templates / f"{assignment}.db"
     folders = {"release": templates / "release"}
-    code, log = run_limited(nbgrader_cmd("generate_assignment", assignment, "--force", db=db, folders=folders), 600)
+    code, log = run_nbgrader(nbgrader_args("generate_assignment", assignment, "--force", db=db, folders=folders),
+                             templates / f"{assignment}.log", 600)
     if code:
         raise RuntimeError(f"nbgrader generate_assignment {assignment} failed:\n{log}")
     return db
