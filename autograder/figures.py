@@ -32,6 +32,9 @@ FAST = "flashcourse/measured/fast.json"                       # 05's benchmark, 
 FAST_REPORT = "benchmarks/results/2026-11-29-h200-fast.md"     # the same run's report, with that day's notes
 FLASH_REPORT = "benchmarks/results/2026-11-29-h200.md"         # 04's kernel against SDPA
 SWEEP_04 = "solutions/04_triton_flash/sweep.json"              # 04's own sweep on the GPU
+LAST_GAP = "flashcourse/measured/fast_last_gap.json"            # 05's last part: causal grid, FP8 errors, grid tail
+PROFILE = "flashcourse/measured/fast_profile.json"              # Nsight Compute at T = 1k and 16k, reduced
+LPT_GROUPS = "flashcourse/measured/fast_lpt_groups.json"        # longest first in L2-sized head groups
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
 
@@ -156,6 +159,35 @@ def _memory_peaks(stdout: dict[str, str], t: int) -> tuple[float, float]:
     return float(found.group(1)), float(found.group(2))
 
 
+def _gap(data, t: int, d: int = 128) -> dict:
+    """The last-gap row at bf16, H = 32/32, head dim d, T = t."""
+    return next(r for r in data["last_gap"] if (r["dtype"], r["d"], r["kv_heads"], r["t"]) == ("bf16", d, 32, t))
+
+
+def _gap_ratios(data, over: str, under: str = "fast_attention", d: int | None = None) -> list[float]:
+    """`over`'s TFLOP/s over `under`'s at every last-gap row (of head dim d, when given)."""
+    return [r[over] / r[under] for r in data["last_gap"] if d is None or r["d"] == d]
+
+
+def _kernel(profile, t: int, name: str) -> dict:
+    """Nsight Compute's summary of the kernel whose name starts with `name`, at T = t."""
+    return next(k for k in profile["kernels"] if k["t"] == t and k["kernel"].startswith(name))
+
+
+def _tail(data, t: int, block_m: int, order: str) -> float:
+    return 100 * next(r[order] for r in data["tail"] if r["t"] == t and r["block_m"] == block_m)
+
+
+def _fp8_error(data, inputs: str, method: str, kind: str) -> float:
+    return next(r[kind] for r in data["fp8_errors"] if r["inputs"] == inputs and r["method"] == method)
+
+
+def _groups_over_fast(data) -> list[float]:
+    """The better of the two L2-grouped longest-first launches over the fast kernel, per T."""
+    return [max(r["LPT, L2 groups"], r["persistent LPT, L2 groups"]) / r["fast_attention"] for r in data["lpt_groups"]]
+
+
+_GAUSS, _OUTLIERS = "N(0, 1)", "N(0, 1) + outliers"
 _BF16_D128 = dict(dtype="bf16", d=128, q_heads=32, kv_heads=32)
 _T8K_CAUSAL = dict(_BF16_D128, causal=True, t=8192)
 
@@ -199,6 +231,73 @@ FIGURES: dict[str, Figure] = {
     "fast.decode.of_copy_8k": Figure(FAST, lambda d: 100 * _decode(d, 1, 8192)["fast_decode"] / d["copy_tbs"]),
     "fast.decode.over_best_sdpa_min": Figure(FAST, lambda d: min(_over_best_sdpa(d)), 2),
     "fast.decode.over_best_sdpa_max": Figure(FAST, lambda d: max(_over_best_sdpa(d)), 2),
+    # 05, the last gap: the causal grid beside cuDNN (one process)
+    "gap.of_cudnn_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["fast_attention"] / _gap(d, 1024)["SDPA cuDNN"], 2),
+    "gap.of_cudnn_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["fast_attention"] / _gap(d, 16384)["SDPA cuDNN"], 2),
+    "gap.of_cudnn_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "fast_attention", "SDPA cuDNN")), 2),
+    "gap.of_cudnn_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "fast_attention", "SDPA cuDNN")), 2),
+    "gap.fast_8k": Figure(LAST_GAP, lambda d: _gap(d, 8192)["fast_attention"]),
+    "gap.cudnn_8k": Figure(LAST_GAP, lambda d: _gap(d, 8192)["SDPA cuDNN"]),
+    # 05, the last gap: Nsight Compute (bf16 causal D = 128)
+    "gap.ncu.fast_tensor_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["tensor_pipe_pct"]),
+    "gap.ncu.cudnn_tensor_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["tensor_pipe_pct"]),
+    "gap.ncu.fast_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["tensor_pipe_pct"]),
+    "gap.ncu.cudnn_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "cudnn")["tensor_pipe_pct"]),
+    "gap.ncu.fast_occupancy_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["achieved_occupancy_pct"], 1),
+    "gap.ncu.cudnn_occupancy_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["achieved_occupancy_pct"], 1),
+    "gap.ncu.fast_issue_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["issue_slots_pct"]),
+    "gap.ncu.cudnn_issue_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["issue_slots_pct"]),
+    "gap.ncu.fast_wait_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["stalls_per_issue"]["wait"], 2),
+    "gap.ncu.fast_barrier_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["stalls_per_issue"]["barrier"], 2),
+    "gap.ncu.fast_memory_1k": Figure(
+        PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["stalls_per_issue"]["long_scoreboard"], 2),
+    "gap.ncu.cudnn_memory_1k": Figure(
+        PROFILE, lambda p: _kernel(p, 1024, "cudnn")["stalls_per_issue"]["long_scoreboard"], 2),
+    "gap.ncu.fast_barrier_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["stalls_per_issue"]["barrier"], 2),
+    "gap.ncu.cudnn_barrier_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "cudnn")["stalls_per_issue"]["barrier"], 2),
+    "gap.ncu.cudnn_grid": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["grid"]),
+    "gap.ncu.cudnn_threads": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["block"]),
+    "gap.ncu.fast_grid_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["grid"]),
+    "gap.ncu.fast_dram_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["dram_active_pct"]),
+    "gap.ncu.lpt_dram_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "lpt_fwd")["dram_active_pct"]),
+    "gap.ncu.fast_dram_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["dram_active_pct"]),
+    "gap.ncu.lpt_dram_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "lpt_fwd")["dram_active_pct"]),
+    "gap.ncu.fp8_issue_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fp8_fwd")["issue_slots_pct"]),
+    "gap.ncu.fp8_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fp8_fwd")["tensor_pipe_pct"]),
+    "gap.ncu.fast_issue_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["issue_slots_pct"]),
+    # 05, the last gap: the tail of the causal grid (simulated) and longest first
+    "gap.tail.fast_1k": Figure(LAST_GAP, lambda d: _tail(d, 1024, 64, "fast order"), 1),
+    "gap.tail.lpt_1k": Figure(LAST_GAP, lambda d: _tail(d, 1024, 64, "LPT order"), 1),
+    "gap.tail.fast_16k": Figure(LAST_GAP, lambda d: _tail(d, 16384, 128, "fast order"), 1),
+    "gap.lpt.order_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["LPT order"]),
+    "gap.lpt.fast_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["fast_attention"]),
+    "gap.lpt.order_over_fast_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "LPT order")), 2),
+    "gap.lpt.order_over_fast_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "LPT order")), 2),
+    "gap.lpt.persistent_over_fast_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "persistent LPT")), 2),
+    "gap.lpt.persistent_over_fast_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "persistent LPT")), 2),
+    "gap.lpt.groups_over_fast_min": Figure(LPT_GROUPS, lambda d: min(_groups_over_fast(d)), 2),
+    "gap.lpt.groups_over_fast_max": Figure(LPT_GROUPS, lambda d: max(_groups_over_fast(d)), 2),
+    "gap.lpt.group_heads_1k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][0]["head_group"]),
+    "gap.lpt.group_heads_16k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][-1]["head_group"]),
+    # 05, the last gap: FP8 speed (kernel alone, and with PyTorch's quantization) and error (RMS in units of 10^-3)
+    "gap.fp8.over_fast_d128_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=128)), 2),
+    "gap.fp8.over_fast_d128_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "FP8", d=128)), 2),
+    "gap.fp8.over_fast_d64_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=64)), 2),
+    "gap.fp8.over_fast_d64_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "FP8", d=64)), 2),
+    "gap.fp8.tflops_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["FP8"]),
+    "gap.fp8.quantize_tflops_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["FP8 + quantize"]),
+    "gap.fp8.quantize_tflops_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["FP8 + quantize"]),
+    "gap.fp8.rms_bf16_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "bf16 fast_attention", "rms"), 2),
+    "gap.fp8.rms_fp8_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8", "rms"), 2),
+    "gap.fp8.rms_rot_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8 + rotation", "rms"), 2),
+    "gap.fp8.rms_bf16_outliers": Figure(
+        LAST_GAP, lambda d: 1e3 * _fp8_error(d, _OUTLIERS, "bf16 fast_attention", "rms"), 2),
+    "gap.fp8.rms_fp8_outliers": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _OUTLIERS, "FP8", "rms"), 2),
+    "gap.fp8.rms_rot_outliers": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _OUTLIERS, "FP8 + rotation", "rms"), 2),
+    "gap.fp8.max_fp8_outliers": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8", "max"), 2),
+    "gap.fp8.max_rot_outliers": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8 + rotation", "max"), 2),
+    "gap.fp8.rotation_gain": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8", "rms")
+                                    / _fp8_error(d, _OUTLIERS, "FP8 + rotation", "rms"), 1),
     # 04's kernel against SDPA (benchmarks/results), quoted by 05
     "flash04.over_sdpa_d128_min": Figure(FLASH_REPORT, lambda r: min(_flash_04(r, "flash / SDPA flash", 128)), 2),
     "flash04.over_sdpa_d128_max": Figure(FLASH_REPORT, lambda r: max(_flash_04(r, "flash / SDPA flash", 128)), 2),

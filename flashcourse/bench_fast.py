@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import math
+import re
 
 import torch
 
@@ -56,10 +57,11 @@ def _ms(fn) -> float:
 
 
 def _or_nan(measure, what) -> float:
-    """measure(what) in milliseconds, NaN when an implementation refuses the shape (or a graph capture)."""
+    """measure(what) in milliseconds, NaN when an implementation refuses the shape (or a graph capture) or fails
+    to compile, so that one failure costs its cell of the table, not the run."""
     try:
         return measure(what)
-    except (RuntimeError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001  (reported on the next line and in the table as NaN)
         print(f"    skipped: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
         return math.nan
 
@@ -103,6 +105,16 @@ def _inputs(batch, q_heads, kv_heads, t, s, d, dtype, seed=0):
 
 def max_error(out, q, k, v, causal: bool, heads: int = 2) -> float:
     """max |out - reference| over batch 0 and the first `heads` query heads, the reference in FP32."""
+    return float((out[:1, :heads].float() - reference_fp32(q, k, v, causal, heads)).abs().max())
+
+
+def rms_error(out, q, k, v, causal: bool, heads: int = 2) -> float:
+    """The root mean square of out - reference over batch 0 and the first `heads` query heads (FP32)."""
+    return float((out[:1, :heads].float() - reference_fp32(q, k, v, causal, heads)).pow(2).mean().sqrt())
+
+
+def reference_fp32(q, k, v, causal: bool, heads: int = 2):
+    """Attention of batch 0's first `heads` query heads in FP32, keys at 0 .. S-1, query i at S - T + i."""
     group = q.shape[1] // k.shape[1]
     q32 = q[:1, :heads].float()
     k32 = k[:1].float().repeat_interleave(group, 1)[:, :heads]
@@ -110,10 +122,9 @@ def max_error(out, q, k, v, causal: bool, heads: int = 2) -> float:
     scores = q32 @ k32.transpose(-2, -1) / math.sqrt(q.shape[-1])          # [1, heads, T, S]
     if causal:
         t, s = scores.shape[-2:]
-        hidden = torch.arange(s, device="cuda")[None, :] > torch.arange(t, device="cuda")[:, None] + (s - t)
+        hidden = torch.arange(s, device=q.device)[None, :] > torch.arange(t, device=q.device)[:, None] + (s - t)
         scores = scores.masked_fill(hidden, float("-inf"))
-    want = torch.softmax(scores, -1) @ v32
-    return float((out[:1, :heads].float() - want).abs().max())
+    return torch.softmax(scores, -1) @ v32                                  # [1, heads, T, D]
 
 
 def steps() -> list[dict]:
@@ -292,6 +303,293 @@ def plot(result: dict, path: str):
     return fig
 
 
+# --- the last gap to cuDNN: causal shapes only, the longest-first variants and the FP8 forward ----------
+
+LAST_GAP = [(dt, d, hq, hkv, ts) for dt, causal, d, hq, hkv, ts in PREFILL if causal]
+LAST_GAP_NAMES = ["fast_attention", "LPT order", "persistent LPT", "SDPA cuDNN", "SDPA flash", "FP8", "FP8 + quantize"]
+MAX_SLOTS_PER_SM = {64: 2, 128: 1}   # programs of a BLOCK_M that run at once on one multiprocessor (lpt_programs)
+
+
+def tail(t: int, batch: int, heads: int, block_m: int, block_n: int, processors: int = 132) -> dict:
+    """How evenly a causal grid (T = S) ends: ideal time over simulated time, for three orders of its items.
+
+    An item, (query block, batch x head), costs its number of key tiles. The hardware starts items in
+    launch order on the first free slot (processors x programs per processor); the persistent kernel
+    deals them round-robin to a fixed set of programs. 1.0 is a grid that ends with every slot busy.
+    """
+    import heapq
+
+    blocks = math.ceil(t / block_m)
+    cost = [math.ceil(min((i + 1) * block_m, t) / block_n) for i in range(blocks)]        # tiles per query block
+    slots = processors * MAX_SLOTS_PER_SM[block_m]
+    fast = [cost[i] for _ in range(batch * heads) for i in reversed(range(blocks))]    # per head, longest first
+    lpt = [cost[i] for i in reversed(range(blocks)) for _ in range(batch * heads)]     # all heads' longest first
+
+    def dispatched(items):
+        free = [0] * slots
+        for c in items:
+            heapq.heappush(free, heapq.heappop(free) + c)
+        return max(free)
+
+    dealt = max(sum(lpt[p::slots]) for p in range(min(slots, len(lpt))))
+    ideal = sum(lpt) / slots
+    return {"t": t, "batch": batch, "block_m": block_m, "block_n": block_n, "slots": slots, "items": len(lpt),
+            "fast order": ideal / dispatched(fast), "LPT order": ideal / dispatched(lpt), "persistent LPT": ideal / dealt}
+
+
+def last_gap(grid=LAST_GAP, rows=None, done=lambda: None) -> list[dict]:
+    """TFLOP/s of the fast kernel, its longest-first variants, cuDNN, FlashAttention-2 and FP8 (causal, T = S)."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import (fast_attention, fast_fwd_tuned, fp8_forward, fp8_fwd_tuned, lpt_attention,
+                                                lpt_fwd_tuned, prepare_fp8)
+
+    rows = [] if rows is None else rows
+    for dtype_name, d, q_heads, kv_heads, lengths in grid:
+        dtype, gqa = DTYPES[dtype_name], q_heads != kv_heads
+        for t in lengths:
+            batch = max(1, TOKENS // t)
+            q, k, v = _inputs(batch, q_heads, kv_heads, t, t, d, dtype)
+            prepared = prepare_fp8(q, k, v)
+            flops = 2.0 * batch * q_heads * t * t * d
+            impls = {
+                "fast_attention": lambda: fast_attention(q, k, v),
+                "LPT order": lambda: lpt_attention(q, k, v, persistent=False, head_group=batch * q_heads),
+                "persistent LPT": lambda: lpt_attention(q, k, v, head_group=batch * q_heads),
+                "SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, True, gqa)(q, k, v),
+                "SDPA flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, True, gqa)(q, k, v),
+                "FP8": lambda: fp8_forward(prepared, out_dtype=dtype),
+                "FP8 + quantize": lambda: fp8_forward(prepare_fp8(q, k, v), out_dtype=dtype),
+            }
+            row = dict(dtype=dtype_name, d=d, q_heads=q_heads, kv_heads=kv_heads, t=t, batch=batch)
+            for name, fn in impls.items():
+                ms = _or_nan(_ms, fn)
+                row[name] = flops / ms / 1e9
+                if name != "FP8 + quantize":
+                    row[f"{name} error"] = max_error(fn(), q, k, v, True) if ms == ms else math.nan
+            row["fast config"] = str(fast_fwd_tuned.best_config)
+            row["persistent config"] = str(lpt_fwd_tuned[True].best_config)
+            row["FP8 config"] = str(fp8_fwd_tuned.best_config)
+            rows.append(row)
+            done()
+            print(f"  {dtype_name} D={d} H={q_heads}/{kv_heads} T={t:5d} B={batch:2d}: "
+                  + ", ".join(f"{n} {row[n]:.0f}" for n in impls), flush=True)
+            del q, k, v, prepared
+            torch.cuda.empty_cache()
+    return rows
+
+
+LPT_GROUP_NAMES = ["fast_attention", "LPT order", "LPT, L2 groups", "persistent LPT, L2 groups", "SDPA cuDNN"]
+
+
+def lpt_groups(lengths=(1024, 2048, 4096, 8192, 16384), d=128) -> list[dict]:
+    """bf16 causal, H = 32: longest first over the whole grid, and within head groups whose K and V fit in L2."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_attention, l2_head_group, lpt_attention
+
+    rows = []
+    for t in lengths:
+        batch = max(1, TOKENS // t)
+        q, k, v = _inputs(batch, 32, 32, t, t, d, torch.bfloat16)
+        flops = 2.0 * batch * 32 * t * t * d
+        impls = {"fast_attention": lambda: fast_attention(q, k, v),
+                 "LPT order": lambda: lpt_attention(q, k, v, persistent=False, head_group=batch * 32),
+                 "LPT, L2 groups": lambda: lpt_attention(q, k, v, persistent=False),
+                 "persistent LPT, L2 groups": lambda: lpt_attention(q, k, v),
+                 "SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, True, False)(q, k, v)}
+        row = dict(t=t, batch=batch, head_group=l2_head_group(k, 32))
+        for name, fn in impls.items():
+            row[name] = flops / _or_nan(_ms, fn) / 1e9
+        row["L2 groups error"] = max_error(impls["LPT, L2 groups"](), q, k, v, True)
+        rows.append(row)
+        print(f"  T={t:5d} B={batch:2d} group {row['head_group']}: " + ", ".join(f"{n} {row[n]:.0f}" for n in impls),
+              flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def lpt_groups_report(result: dict) -> str:
+    lines = [f"## Longest first within L2-sized head groups (a second process: bf16, causal, D = 128, H = 32, TFLOP/s)",
+             "", f"Measured {result['environment']}.", "",
+             "| T | B | heads per group | " + " | ".join(LPT_GROUP_NAMES) + " | L2 groups / fast | L2 groups error |",
+             "|---" * (3 + len(LPT_GROUP_NAMES) + 2) + "|"]
+    for r in result["lpt_groups"]:
+        best = max(r["LPT, L2 groups"], r["persistent LPT, L2 groups"])
+        lines.append(f"| {r['t']} | {r['batch']} | {r['head_group']} | " + " | ".join(f"{r[n]:.1f}" for n in LPT_GROUP_NAMES)
+                     + f" | {best / r['fast_attention']:.2f} | {r['L2 groups error']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def outlier_inputs(batch, heads, t, d, dtype, seed=0):
+    """q, k, v ~ N(0, 1) + N(0, 100) · Bernoulli(0.001): rare large entries, as in FlashAttention-3's FP8 study."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw():
+        x = torch.randn(batch, heads, t, d, device="cuda", generator=gen)
+        spikes = 10 * torch.randn(x.shape, device="cuda", generator=gen)
+        return (x + spikes * (torch.rand(x.shape, device="cuda", generator=gen) < 1e-3)).to(dtype)
+    return draw(), draw(), draw()
+
+
+def fp8_errors(t: int = 4096, heads: int = 4, d: int = 128, causal: bool = True) -> list[dict]:
+    """Max and RMS error against FP32 of the bf16 kernel, FP8, and FP8 with Q and K rotated, on two inputs."""
+    from flashcourse.engine.fast_kernel import fast_attention, fp8_attention, random_rotation
+
+    rotation = random_rotation(d, seed=0, device="cuda")
+    inputs = {"N(0, 1)": _inputs(1, heads, heads, t, t, d, torch.bfloat16),
+              "N(0, 1) + outliers": outlier_inputs(1, heads, t, d, torch.bfloat16)}
+    methods = {"bf16 fast_attention": lambda q, k, v: fast_attention(q, k, v, causal=causal),
+               "FP8": lambda q, k, v: fp8_attention(q, k, v, causal=causal),
+               "FP8 + rotation": lambda q, k, v: fp8_attention(q, k, v, causal=causal, rotation=rotation)}
+    rows = []
+    for input_name, (q, k, v) in inputs.items():
+        for method, fn in methods.items():
+            out = fn(q, k, v)
+            rows.append(dict(inputs=input_name, method=method, max=max_error(out, q, k, v, causal, heads),
+                             rms=rms_error(out, q, k, v, causal, heads)))
+            print(f"  {input_name:20s} {method:20s} max {rows[-1]['max']:.2e}  rms {rows[-1]['rms']:.2e}", flush=True)
+    return rows
+
+
+def profile_run(t: int) -> None:
+    """Each causal D = 128 kernel once at T = t, B x T = TOKENS, between cudaProfilerStart and Stop.
+
+    For Nsight Compute with `--profile-from-start off`: compiling and autotuning happen before the
+    profiled range, so only the timed kernels are profiled.
+    """
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_attention, fp8_forward, lpt_attention, prepare_fp8
+
+    batch = max(1, TOKENS // t)
+    q, k, v = _inputs(batch, 32, 32, t, t, 128, torch.bfloat16)
+    prepared = prepare_fp8(q, k, v)
+    calls = [lambda: fast_attention(q, k, v), lambda: lpt_attention(q, k, v, head_group=batch * 32),
+             lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, True, False)(q, k, v),
+             lambda: fp8_forward(prepared, out_dtype=torch.bfloat16)]
+    for call in calls:     # compile and autotune outside the profiled range
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+NCU_METRICS = {   # what the notebook reads from Nsight Compute's raw page, by metric name
+    "duration_us": "gpu__time_duration.sum",
+    "tensor_pipe_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "issue_slots_pct": "sm__inst_issued.avg.pct_of_peak_sustained_elapsed",
+    "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "dram_active_pct": "dram__cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "registers": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+    "block": "launch__block_size",
+}
+STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio")
+
+
+def ncu_summary(csv_path: str, t: int) -> list[dict]:
+    """Nsight Compute's raw CSV (`--page raw --csv`) reduced to NCU_METRICS and the stall reasons per kernel.
+
+    A stall reason's value is the warps waiting for it per issued instruction ("selected", the warp
+    that issued, is left out); the five largest are kept.
+    """
+    import csv
+
+    with open(csv_path) as f:
+        table = list(csv.reader(line for line in f if line.startswith('"')))
+    header, units, rows = table[0], dict(zip(table[0], table[1])), table[2:]
+    to_micro = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+    kernels = []
+    for cells in rows:
+        raw = dict(zip(header, cells))
+
+        def number(name):
+            try:
+                value = float(raw.get(name, "nan").replace(",", ""))
+            except ValueError:
+                return math.nan
+            return value * to_micro.get(units.get(name), 1.0) if name == NCU_METRICS["duration_us"] else value
+        entry = {"t": t, "kernel": raw.get("Kernel Name", "?").split("(")[0][:100]}
+        entry.update({key: number(name) for key, name in NCU_METRICS.items()})
+        stalls = {m[1]: number(name) for name in header if (m := STALL.fullmatch(name)) and m[1] != "selected"}
+        entry["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:5])
+        kernels.append(entry)
+    return kernels
+
+
+def profile_report(profile: dict) -> str:
+    """fast_profile.json (ncu_summary's kernels) as a markdown table."""
+    lines = ["## Nsight Compute: each kernel once, causal D = 128, H = 32, B x T = %d" % TOKENS, "",
+             "| T | kernel | grid x threads | registers | duration (us) | tensor pipe active % | issue slots busy % | "
+             "achieved occupancy % | DRAM active % | top stalls (warps per issued instruction) |",
+             "|---" * 10 + "|"]
+    for k in profile["kernels"]:
+        stalls = ", ".join(f"{name} {value:.2f}" for name, value in k["stalls_per_issue"].items())
+        lines.append(f"| {k['t']} | {k['kernel']} | {k['grid']:.0f} x {k['block']:.0f} | {k['registers']:.0f} | "
+                     f"{k['duration_us']:.0f} | {k['tensor_pipe_pct']:.1f} | {k['issue_slots_pct']:.1f} | "
+                     f"{k['achieved_occupancy_pct']:.1f} | {k['dram_active_pct']:.1f} | {stalls} |")
+    return "\n".join(lines) + "\n"
+
+
+def last_gap_report(result: dict) -> str:
+    """The last-gap measurements as markdown tables."""
+    lines = ["# The fast kernel's last gap to cuDNN: longest-first scheduling and an FP8 forward", "",
+             f"Measured {result['environment']}.", "",
+             "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. "
+             "Causal, T = S, B x T = %d, TFLOP/s = 2 B Hq T^2 D / time. FP8: e4m3 Q, K, V with one scale per 128 "
+             "rows, FP32 statistics, output in the input's dtype, timed on inputs already quantized; "
+             "'FP8 + quantize' includes quantizing them (PyTorch). Errors: max |out - reference| over batch 0, "
+             "heads 0-1, the reference in FP32." % TOKENS, "",
+             "## Prefill, causal (TFLOP/s)", "",
+             "| dtype | D | Hq/Hkv | T | B | " + " | ".join(LAST_GAP_NAMES) +
+             " | fast / cuDNN | best bf16 ours / cuDNN | FP8 / fast | fast error | FP8 error |",
+             "|---" * (5 + len(LAST_GAP_NAMES) + 5) + "|"]
+    for r in result["last_gap"]:
+        best = max(r["fast_attention"], r["LPT order"], r["persistent LPT"])
+        lines.append(f"| {r['dtype']} | {r['d']} | {r['q_heads']}/{r['kv_heads']} | {r['t']} | {r['batch']} | "
+                     + " | ".join(f"{r[n]:.1f}" for n in LAST_GAP_NAMES)
+                     + f" | {r['fast_attention'] / r['SDPA cuDNN']:.2f} | {best / r['SDPA cuDNN']:.2f} | "
+                     f"{r['FP8'] / r['fast_attention']:.2f} | {r['fast_attention error']:.1e} | {r['FP8 error']:.1e} |")
+    lines += ["", "## FP8 error against an FP32 reference (causal, B = 1, T = S = %d, H = %d, D = 128)"
+              % (result["fp8_errors_t"], result["fp8_errors_heads"]), "",
+              "| inputs | method | max error | RMS error |", "|---|---|---|---|"]
+    lines += [f"| {r['inputs']} | {r['method']} | {r['max']:.2e} | {r['rms']:.2e} |" for r in result["fp8_errors"]]
+    lines += ["", "## The tail of the causal grid (simulated: ideal time over the grid's time)", "",
+              "| T | B | BLOCK_M | items | slots | fast order | LPT order | persistent LPT |", "|---" * 8 + "|"]
+    lines += [f"| {r['t']} | {r['batch']} | {r['block_m']} | {r['items']} | {r['slots']} | {r['fast order']:.3f} | "
+              f"{r['LPT order']:.3f} | {r['persistent LPT']:.3f} |" for r in result["tail"]]
+    return "\n".join(lines) + "\n"
+
+
+def last_gap_main(args) -> int:
+    """--last-gap: the grid above, the FP8 error study and the grid-tail simulation, saved after every row."""
+    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    result = {"environment": environment(), "last_gap": [], "fp8_errors": [], "fp8_errors_t": 4096,
+              "fp8_errors_heads": 4,
+              "tail": [tail(t, TOKENS // t, 32, bm, bm, processors) for t in (1024, 16384) for bm in (64, 128)]}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    print("fp8 errors", flush=True)
+    result["fp8_errors"] = fp8_errors(result["fp8_errors_t"], result["fp8_errors_heads"])
+    save()
+    print("last gap", flush=True)
+    last_gap(rows=result["last_gap"], done=save)
+    text = last_gap_report(result)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the markdown report to this file")
@@ -299,7 +597,40 @@ def main(argv=None) -> int:
     parser.add_argument("--png", help="write the plot to this file")
     parser.add_argument("--small", action="store_true", help="a small grid: T = 1k, 8k; S = 32k, 128k")
     parser.add_argument("--from-json", help="measure nothing: write the report and plot of this earlier --json")
+    parser.add_argument("--last-gap", action="store_true", help="the causal grid with the longest-first and FP8 "
+                        "kernels, the FP8 error study and the grid-tail simulation (--out, --json)")
+    parser.add_argument("--lpt-groups", action="store_true", help="longest first over the grid and within L2-sized "
+                        "head groups, bf16 causal D = 128 (--out, --json)")
+    parser.add_argument("--ncu-csv", nargs="+", metavar="T=FILE", help="measure nothing: reduce Nsight Compute's "
+                        "raw CSVs (one per T) to --json")
+    parser.add_argument("--profile", type=int, metavar="T", help="run each causal D = 128 kernel once at T = S, "
+                        "for Nsight Compute (--profile-from-start off)")
     args = parser.parse_args(argv)
+    if (args.last_gap or args.lpt_groups or args.profile) and not torch.cuda.is_available():
+        print(GPU_NEEDED)
+        return 1
+    if args.profile:
+        profile_run(args.profile)
+        return 0
+    if args.last_gap:
+        return last_gap_main(args)
+    if args.lpt_groups:
+        result = {"environment": environment(), "lpt_groups": lpt_groups()}
+        text = lpt_groups_report(result)
+        print(text)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return 0
+    if args.ncu_csv:
+        summary = [k for item in args.ncu_csv for k in ncu_summary(item.split("=", 1)[1], int(item.split("=", 1)[0]))]
+        with open(args.json, "w") as f:
+            json.dump({"kernels": summary}, f, indent=1)
+        print(profile_report({"kernels": summary}))
+        return 0
     if args.from_json:
         with open(args.from_json) as f:
             result = json.load(f)

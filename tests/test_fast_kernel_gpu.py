@@ -64,3 +64,30 @@ def test_long_decode(engine, batch, s):
 
     q, k, v = _inputs(batch, 32, 8, 1, s, 128, torch.bfloat16)
     assert max_error(engine.fast_decode(q, k, v), q, k, v, False) < 1e-2
+
+
+@pytest.mark.parametrize("persistent, head_group", [(True, None), (False, None), (True, 3), (False, 16)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_lpt_long_autotuned(engine, persistent, head_group, causal):
+    """Longest-first order, persistent or one program per item, in L2-sized or given head groups (3 leaves a
+    smaller last group): T = S = 3001, GQA 4, D = 128, error within 2e-2."""
+    from flashcourse.bench_fast import _inputs, max_error
+
+    q, k, v = _inputs(2, 8, 2, 3001, 3001, 128, torch.bfloat16)
+    out = engine.lpt_attention(q, k, v, causal=causal, persistent=persistent, head_group=head_group)
+    assert max_error(out, q, k, v, causal) < 2e-2
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, True)])
+def test_fp8_long(engine, d, causal, rotate):
+    """FP8 at T = S = 2125 (no block divides it), GQA 4, N(0, 1) inputs, against FP32: RMS error below 3e-2
+    and max error below 0.5 (e4m3 keeps 3 mantissa bits: one value rounds by up to 6 %, and a row that
+    sees one key returns that key's V so rounded)."""
+    from flashcourse.bench_fast import _inputs, max_error, rms_error
+
+    q, k, v = _inputs(2, 8, 2, 2125, 2125, d, torch.bfloat16)
+    rotation = engine.random_rotation(d, seed=0, device="cuda") if rotate else None
+    out = engine.fp8_attention(q, k, v, causal=causal, rotation=rotation)
+    assert out.dtype == torch.bfloat16
+    assert rms_error(out, q, k, v, causal) < 3e-2 and max_error(out, q, k, v, causal) < 0.5

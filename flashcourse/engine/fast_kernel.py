@@ -394,3 +394,392 @@ def fast_decode(q, k, v, splits=None):
     )
     decode_merge_kernel[(batch * q_heads,)](m, l, acc, o, splits, D=d, SPLITS_PAD=triton.next_power_of_2(splits))
     return o
+
+
+@triton.jit
+def _attend_block(
+    q_ptr, k_src, v_src, o_ptr,              # as fast_fwd_kernel's (k_src, v_src: descriptors with USE_TMA, else pointers)
+    block, b, h, kv_h,                       # which query block, batch, query head and KV head this is
+    stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query (D is contiguous)
+    stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
+    stride_vb, stride_vh, stride_vs,         # v's strides over batch, KV head and key
+    stride_ob, stride_oh, stride_ot,         # o's strides over batch, head and query
+    T, S, offset, kv_heads,                  # queries, keys, position of query 0, Hkv
+    qk_scale,                                # log2(e) / sqrt(D)
+    D: tl.constexpr,                         # head dimension
+    BLOCK_M: tl.constexpr,                   # queries per block
+    BLOCK_N: tl.constexpr,                   # keys per tile
+    CAUSAL: tl.constexpr,                    # hide keys after the query's position
+    USE_TMA: tl.constexpr,                   # K and V through tensor descriptors
+):
+    """One query block of fast_fwd_kernel (exp2, the diagonal split, no window), wherever the grid puts it."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)       # [BLOCK_M] query indices
+    cols = tl.arange(0, D)                               # [D]
+    row_ok = rows < T
+    q_pos = offset + rows                                # [BLOCK_M] absolute positions
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + cols[None, :],
+                mask=row_ok[:, None], other=0.0)         # [BLOCK_M, D]
+    kv_index = b * kv_heads + kv_h                       # row of the [B * Hkv, S, D] descriptors
+    if not USE_TMA:
+        k_src = k_src + b * stride_kb + kv_h * stride_kh
+        v_src = v_src + b * stride_vb + kv_h * stride_vh
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    if CAUSAL:
+        stop = tl.minimum(S, offset + tl.minimum((block + 1) * BLOCK_M, T))  # one past the last key the block sees
+        diagonal = offset + block * BLOCK_M
+    else:
+        stop = S
+        diagonal = S
+    masked_from = (tl.minimum(diagonal, stop) // BLOCK_N) * BLOCK_N
+    for n0 in range(0, masked_from, BLOCK_N):
+        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
+                                 qk_scale, D, BLOCK_N, False, CAUSAL, False, True, USE_TMA, "ieee")
+    for n0 in range(masked_from, stop, BLOCK_N):
+        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
+                                 qk_scale, D, BLOCK_N, True, CAUSAL, False, True, USE_TMA, "ieee")
+    o = acc / tl.where(row_ok, l, 1.0)[:, None]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def lpt_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,              # q [B, Hq, T, D], k and v [B, Hkv, S, D] (USE_TMA: descriptors), o like q
+    stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query
+    stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
+    stride_vb, stride_vh, stride_vs,         # v's strides over batch, KV head and key
+    stride_ob, stride_oh, stride_ot,         # o's strides over batch, head and query
+    T, S, offset,                            # queries, keys, position of query 0
+    batch_heads, q_heads, group,             # B * Hq work items per query block; Hq; Hq // Hkv
+    head_group,                              # (batch x head)s ordered together: longest first within each group
+    qk_scale,                                # log2(e) / sqrt(D)
+    D: tl.constexpr,                         # head dimension, a power of two >= 16
+    BLOCK_M: tl.constexpr,                   # queries per block
+    BLOCK_N: tl.constexpr,                   # keys per tile
+    CAUSAL: tl.constexpr,                    # hide keys after the query's position
+    USE_TMA: tl.constexpr,                   # K and V through tensor descriptors
+):
+    """Work items (query block, batch x head) in longest-processing-time order, dealt to the programs.
+
+    The (batch x head)s go in groups of `head_group`; within a group, item i is query block
+    n_blocks - 1 - i // G of the group's head i % G (G heads in the group): every head's last (longest)
+    block, then every head's block before it, and so on. With one group of all B·Hq heads this is the
+    longest-first order over the whole grid; smaller groups keep the K and V that programs running side by
+    side read few enough to stay in the L2 cache. Program p takes items p, p + P, p + 2P, ... for a grid of
+    P programs. With one program per item this is only a launch order; with a few programs per
+    multiprocessor the kernel is persistent: each program loops over its items.
+    """
+    n_blocks = tl.cdiv(T, BLOCK_M)
+    for item in range(tl.program_id(0), n_blocks * batch_heads, tl.num_programs(0)):
+        first_head = (item // (n_blocks * head_group)) * head_group
+        heads_here = tl.minimum(head_group, batch_heads - first_head)      # the last group may be smaller
+        rank = item - first_head * n_blocks                                # the item's place in its group
+        block = n_blocks - 1 - rank // heads_here
+        bh = first_head + rank % heads_here
+        h = bh % q_heads
+        _attend_block(q_ptr, k_ptr, v_ptr, o_ptr, block, bh // q_heads, h, h // group,
+                      stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
+                      stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_ot,
+                      T, S, offset, q_heads // group, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA)
+
+
+def _lpt_configs():
+    """The fast kernel's configs that its autotuner chose somewhere on the H200 (one small one on a CPU)."""
+    if runtime.current().interpret:
+        return _prefill_configs()
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st, pre_hook=_fit_descriptors)
+            for bm, bn, w, st in [(64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4)]]
+
+
+# Autotuned per grid (one program per item, or persistent): the best tile differs between the two.
+lpt_fwd_tuned = {persistent: triton.autotune(configs=_lpt_configs(), key=["T", "S", "D", "group", "CAUSAL"])(lpt_fwd_kernel)
+                 for persistent in (False, True)}
+
+
+def lpt_programs(meta, items, device, persistent):
+    """The grid: one program per item, or (persistent) as many as fit on the multiprocessors at once.
+
+    How many fit is the occupancy Nsight Compute measured for the fast kernel's two tile shapes: two
+    programs of 64 × 64 tiles (4 warps) per multiprocessor, one of 128-query tiles (8 warps).
+    """
+    if not persistent:
+        return items
+    device = torch.device(device)
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return min(items, processors * (2 if meta["BLOCK_M"] == 64 else 1))
+
+
+def l2_head_group(k, q_heads):
+    """Query heads whose K and V together fill at most half of the L2 cache (all of them on a CPU)."""
+    batch, kv_heads, s, d = k.shape
+    if k.device.type != "cuda":
+        return batch * q_heads
+    l2_bytes = getattr(torch.cuda.get_device_properties(k.device), "L2_cache_size", 50 * 2**20)
+    kv_bytes = 2 * s * d * k.element_size()                                  # one KV head's K and V
+    return max(1, l2_bytes // 2 // kv_bytes) * (q_heads // kv_heads)
+
+
+def lpt_attention(q, k, v, query_offset=None, causal=True, persistent=True, head_group=None, block_m=None,
+                  block_n=None, **launch):
+    """fast_attention (exp2, diagonal split, descriptors) with its work items in longest-first order.
+
+    q [B, Hq, T, D], k and v [B, Hkv, S, D] -> [B, Hq, T, D]; no window. persistent=True launches a
+    fixed grid of programs (lpt_programs) that loop over the items; False, one program per item.
+    head_group: (batch x head)s ordered together, by default as many as l2_head_group says; B·Hq orders
+    the whole grid longest first.
+    """
+    _check_inputs(q, k, v)
+    if (block_m is None) != (block_n is None):
+        raise ValueError("give both block_m and block_n, or neither (autotuned)")
+    batch, q_heads, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    offset = s - t if query_offset is None else int(query_offset)
+    if causal and offset < 0:
+        raise ValueError(f"query_offset={offset} puts query 0 before key 0: it would see no key")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)                                                  # [B, Hq, T, D]
+    tma = tma_supported(q)
+    k_arg, v_arg = k, v
+    if tma:
+        k_arg, v_arg = (TensorDescriptor.from_tensor(x.view(batch * kv_heads, s, d), [1, block_n or 16, d]) for x in (k, v))
+    args = (q, k_arg, v_arg, o,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            t, s, offset, batch * q_heads, q_heads, q_heads // kv_heads,
+            min(batch * q_heads, head_group or l2_head_group(k, q_heads)), LOG2E / math.sqrt(d))
+
+    def grid(meta):
+        return (lpt_programs(meta, triton.cdiv(t, meta["BLOCK_M"]) * batch * q_heads, q.device, persistent),)
+    if block_m is None:
+        lpt_fwd_tuned[persistent][grid](*args, D=d, CAUSAL=causal, USE_TMA=tma, **launch)
+    else:
+        lpt_fwd_kernel[grid](*args, D=d, CAUSAL=causal, USE_TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n, **launch)
+    return o
+
+
+from dataclasses import dataclass
+
+FP8 = torch.float8_e4m3fn    # e4m3: 4 exponent bits, 3 mantissa bits, largest finite value 448
+FP8_MAX = 448.0
+P_SHIFT = tl.constexpr(8)       # P is rounded to e4m3 as 2^8 · P (see _fp8_tile)
+
+
+def random_rotation(d, seed=0, device="cpu"):
+    """A random orthogonal [d, d] matrix R (R Rᵀ = I): the QR factor of a seeded Gaussian matrix.
+
+    Multiplying the signs of Q's columns by those of R's diagonal makes the draw uniform over rotations.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    rot, tri = torch.linalg.qr(a)
+    return (rot * torch.sign(torch.diagonal(tri))).float().to(device)
+
+
+def quantize_blocks(x, block):
+    """x [B, H, N, D] -> (x8 [B, H, N, D] in e4m3, scales [B, H, ceil(N / block)] in FP32), x ≈ x8 · scale.
+
+    Each block of `block` consecutive rows (all D columns) gets one scale, its largest |x| over 448, so
+    the block's largest value lands on e4m3's largest; an all-zero block gets scale 1.
+    """
+    batch, heads, n, d = x.shape
+    pad = -n % block
+    blocks = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(batch, heads, -1, block, d)  # [B, H, NB, block, D]
+    amax = blocks.abs().amax(dim=(3, 4))                                                          # [B, H, NB]
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    x8 = (blocks / scales[..., None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(batch, heads, -1, d)[:, :, :n]
+    return x8.contiguous(), scales.contiguous()
+
+
+@dataclass
+class Fp8Inputs:
+    """Q, K and V in e4m3 with their per-block scales, laid out for fp8_fwd_kernel."""
+
+    q: torch.Tensor           # [B, Hq, T, D] e4m3
+    q_scale: torch.Tensor     # [B, Hq, ceil(T / block)] FP32
+    k: torch.Tensor           # [B, Hkv, S, D] e4m3
+    k_scale: torch.Tensor     # [B, Hkv, ceil(S / block)] FP32
+    v_t: torch.Tensor         # [B, Hkv, D, S16] e4m3: V transposed, S padded to a multiple of 16 (TMA's row alignment)
+    v_scale: torch.Tensor     # [B, Hkv, ceil(S / block)] FP32
+    block: int                # rows per scale
+    rotated: bool             # whether Q and K were multiplied by a random rotation first
+
+
+def fp8_block():
+    """Rows per scale: 128 on a GPU (a multiple of every FP8 tile), 16 in the interpreter."""
+    return 16 if runtime.current().interpret else 128
+
+
+def prepare_fp8(q, k, v, rotation=None, block=None):
+    """Quantize q [B, Hq, T, D], k and v [B, Hkv, S, D] to e4m3 with per-block scales.
+
+    With `rotation` (an orthogonal [D, D], see random_rotation), Q and K are rotated first: (QR)(KR)ᵀ = QKᵀ,
+    so the scores do not change, but an outlier in one channel of Q or K is spread over all D channels,
+    and the blocks' scales no longer have to make room for it (incoherent processing, FlashAttention-3).
+    """
+    block = fp8_block() if block is None else block
+    if rotation is not None:
+        q, k = q.float() @ rotation, k.float() @ rotation                   # [B, H, N, D] @ [D, D]
+    q8, q_scale = quantize_blocks(q, block)
+    k8, k_scale = quantize_blocks(k, block)
+    v8, v_scale = quantize_blocks(v, block)
+    s = v.shape[2]
+    v_t = torch.zeros(*v.shape[:2], v.shape[3], triton.cdiv(s, 16) * 16, device=v.device, dtype=FP8)
+    v_t[..., :s] = v8.transpose(2, 3)                                       # fp8 products want V's keys contiguous
+    return Fp8Inputs(q8, q_scale, k8, k_scale, v_t, v_scale, block, rotation is not None)
+
+
+@triton.jit
+def _fp8_tile(
+    acc, l, m, v_unit,                       # running state: acc [BLOCK_M, D] in units of v_unit, l and m [BLOCK_M], FP32
+    q, q_scale,                              # [BLOCK_M, D] e4m3 queries and their block's scale
+    k_desc, vt_desc,                         # descriptors over K [B·Hkv, S, D] and Vᵀ [B·Hkv, D, S]
+    k_scale_ptr, v_scale_ptr,                # per-block scales of K and V, [B·Hkv, kv_blocks]
+    kv_index, kv_blocks,                     # this (batch, KV head)'s row; scales per row
+    n0, q_pos, S,                            # first key of the tile; [BLOCK_M] query positions; number of keys
+    qk_scale,                                # log2(e) / sqrt(D)
+    D: tl.constexpr,                         # head dimension
+    BLOCK_N: tl.constexpr,                   # keys per tile
+    SCALE_BLOCK: tl.constexpr,               # rows per scale (a multiple of BLOCK_N)
+    MASKED: tl.constexpr,                    # False: every key of the tile is visible to every query
+    CAUSAL: tl.constexpr,                    # hide keys after the query's position
+):
+    """_attend_tile with e4m3 products: S = (Q8 K8ᵀ) · q_scale · k_scale, then acc += P8 V8 (unit v_scale).
+
+    P is computed as 2^P_SHIFT · exp2(s - m): probabilities down to 2^-14 then fall in e4m3's normal range
+    (2^-6 to 448) and keep their 3 mantissa bits, where in [0, 1] those below 2^-6 would lose them. acc and l
+    both carry the factor, so acc / l does not see it, and it costs nothing: it is folded into m.
+    """
+    k = k_desc.load([kv_index, n0, 0]).reshape(BLOCK_N, D)                # [BLOCK_N, D] e4m3; keys past S are 0
+    v_t = vt_desc.load([kv_index, 0, n0]).reshape(D, BLOCK_N)             # [D, BLOCK_N] e4m3
+    scale_at = kv_index * kv_blocks + n0 // SCALE_BLOCK
+    k_scale = tl.load(k_scale_ptr + scale_at)
+    v_scale = tl.load(v_scale_ptr + scale_at)
+    s = tl.dot(q, tl.trans(k)) * (qk_scale * q_scale * k_scale)          # [BLOCK_M, BLOCK_N] FP32, log2 domain
+    if MASKED:
+        keys = n0 + tl.arange(0, BLOCK_N)
+        visible = keys[None, :] < S
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    if MASKED:
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        ref = m_new
+    alpha = tl.math.exp2(m - ref)
+    p = tl.math.exp2(s - (ref - P_SHIFT)[:, None])                        # [BLOCK_M, BLOCK_N] in [0, 2^P_SHIFT]
+    l = l * alpha + tl.sum(p, axis=1)                                     # l carries the same 2^P_SHIFT
+    acc = tl.dot(p.to(q.dtype), tl.trans(v_t), acc * (alpha * (v_unit / v_scale))[:, None])  # now in units of v_scale
+    return acc, l, m_new, v_scale
+
+
+@triton.jit
+def fp8_fwd_kernel(
+    q_ptr, k_desc, vt_desc, o_ptr,           # q [B, Hq, T, D] e4m3; descriptors over K [B·Hkv, S, D] and Vᵀ [B·Hkv, D, S]; o [B, Hq, T, D]
+    q_scale_ptr, k_scale_ptr, v_scale_ptr,   # per-block scales: [B·Hq, q_blocks], [B·Hkv, kv_blocks], [B·Hkv, kv_blocks]
+    stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query
+    stride_ob, stride_oh, stride_ot,         # o's strides over batch, head and query
+    T, S, offset,                            # queries, keys, position of query 0
+    q_heads, group,                          # Hq; Hq // Hkv
+    q_blocks, kv_blocks,                     # scales per (batch, head) row: ceil(T / SCALE_BLOCK), ceil(S / SCALE_BLOCK)
+    qk_scale,                                # log2(e) / sqrt(D)
+    D: tl.constexpr,                         # head dimension
+    BLOCK_M: tl.constexpr,                   # queries per program (divides SCALE_BLOCK)
+    BLOCK_N: tl.constexpr,                   # keys per tile (divides SCALE_BLOCK)
+    SCALE_BLOCK: tl.constexpr,               # rows per scale
+    CAUSAL: tl.constexpr,                    # hide keys after the query's position
+):
+    """The fast kernel's loop (diagonal split, descriptors, longest blocks first) with e4m3 products.
+
+    m, l and acc stay in FP32; P, in [0, 1], is rounded to e4m3 for the second product. V's scale changes
+    from tile to tile, so acc is kept in units of the latest tile's scale: a tile of scale vs multiplies
+    it by alpha · v_unit / vs, the softmax's rescaling and the change of unit in one multiply.
+    """
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // q_heads
+    h = bh % q_heads
+    kv_index = b * (q_heads // group) + h // group       # (batch, KV head) row of the descriptors and scales
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)       # [BLOCK_M]
+    cols = tl.arange(0, D)                               # [D]
+    row_ok = rows < T
+    q_pos = offset + rows
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + cols[None, :],
+                mask=row_ok[:, None], other=0.0)         # [BLOCK_M, D] e4m3
+    q_scale = tl.load(q_scale_ptr + bh * q_blocks + (block * BLOCK_M) // SCALE_BLOCK)
+
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    v_unit = tl.load(v_scale_ptr + kv_index * kv_blocks)  # acc's unit: the first tile's V scale
+    if CAUSAL:
+        stop = tl.minimum(S, offset + tl.minimum((block + 1) * BLOCK_M, T))
+        diagonal = offset + block * BLOCK_M
+    else:
+        stop = S
+        diagonal = S
+    masked_from = (tl.minimum(diagonal, stop) // BLOCK_N) * BLOCK_N
+    for n0 in range(0, masked_from, BLOCK_N):
+        acc, l, m, v_unit = _fp8_tile(acc, l, m, v_unit, q, q_scale, k_desc, vt_desc, k_scale_ptr, v_scale_ptr,
+                                      kv_index, kv_blocks, n0, q_pos, S, qk_scale, D, BLOCK_N, SCALE_BLOCK,
+                                      False, CAUSAL)
+    for n0 in range(masked_from, stop, BLOCK_N):
+        acc, l, m, v_unit = _fp8_tile(acc, l, m, v_unit, q, q_scale, k_desc, vt_desc, k_scale_ptr, v_scale_ptr,
+                                      kv_index, kv_blocks, n0, q_pos, S, qk_scale, D, BLOCK_N, SCALE_BLOCK,
+                                      True, CAUSAL)
+    o = acc * v_unit / tl.where(row_ok, l, 1.0)[:, None]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _fit_fp8_descriptors(args):
+    """A config's pre-hook: K's descriptor moves [1, BLOCK_N, D] tiles, Vᵀ's [1, D, BLOCK_N]."""
+    if hasattr(args["k_desc"], "block_shape"):
+        args["k_desc"].block_shape = [1, args["BLOCK_N"], args["D"]]
+        args["vt_desc"].block_shape = [1, args["D"], args["BLOCK_N"]]
+
+
+def _fp8_configs():
+    if runtime.current().interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1, pre_hook=_fit_fp8_descriptors)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st, pre_hook=_fit_fp8_descriptors)
+            for bm, bn, w, st in [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)]]
+
+
+fp8_fwd_tuned = triton.autotune(configs=_fp8_configs(), key=["T", "S", "D", "group", "CAUSAL"])(fp8_fwd_kernel)
+
+
+def fp8_forward(inputs, causal=True, query_offset=None, out_dtype=None):
+    """Attention from prepared e4m3 inputs (prepare_fp8): [B, Hq, T, D] in out_dtype (bf16 on a GPU)."""
+    if any(inputs.block % config.kwargs[size] for config in fp8_fwd_tuned.configs for size in ("BLOCK_M", "BLOCK_N")):
+        raise ValueError(f"{inputs.block} rows per scale: every tile the kernel may use must lie in one scale block")
+    q8, k8 = inputs.q, inputs.k
+    batch, q_heads, t, d = q8.shape
+    kv_heads, s = k8.shape[1], k8.shape[2]
+    offset = s - t if query_offset is None else int(query_offset)
+    if causal and offset < 0:
+        raise ValueError(f"query_offset={offset} puts query 0 before key 0: it would see no key")
+    out_dtype = out_dtype or (torch.bfloat16 if q8.device.type == "cuda" else torch.float32)
+    o = torch.empty(q8.shape, device=q8.device, dtype=out_dtype)            # [B, Hq, T, D]
+    k_desc = TensorDescriptor.from_tensor(k8.view(batch * kv_heads, s, d), [1, 16, d])
+    vt = inputs.v_t.view(batch * kv_heads, d, -1)[:, :, :s]                  # [B·Hkv, D, S], rows S16 apart
+    vt_desc = TensorDescriptor.from_tensor(vt, [1, d, 16])
+    grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731
+    fp8_fwd_tuned[grid](q8, k_desc, vt_desc, o, inputs.q_scale, inputs.k_scale, inputs.v_scale,
+                        q8.stride(0), q8.stride(1), q8.stride(2), o.stride(0), o.stride(1), o.stride(2),
+                        t, s, offset, q_heads, q_heads // kv_heads, inputs.q_scale.shape[2], inputs.k_scale.shape[2],
+                        LOG2E / math.sqrt(d), D=d, SCALE_BLOCK=inputs.block, CAUSAL=causal)
+    return o
+
+
+def fp8_attention(q, k, v, causal=True, query_offset=None, rotation=None):
+    """q [B, Hq, T, D], k and v [B, Hkv, S, D] quantized to e4m3 (prepare_fp8), then attended in FP8."""
+    _check_inputs(q, k, v)
+    if TensorDescriptor is None:
+        raise ValueError("the FP8 kernel needs tensor descriptors (Triton 3.4 or later)")
+    out_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
+    return fp8_forward(prepare_fp8(q, k, v, rotation), causal, query_offset, out_dtype)
