@@ -4,12 +4,13 @@
     python -m autograder grade SUBMISSIONS --scheduler local             # a Dask cluster on this machine
 
 Workers need not see the instructor's files. The instructor's side reads each notebook safely
-(grade.read_submission) and sends its bytes with the task, and the assignment's template gradebook's. On the worker, `grade_on_worker` writes both into a scratch folder of its
-own and runs grade.grade_one there, in the worker's own jail, then returns the Outcome with the
-autograded and feedback files as bytes, which the instructor's side writes into the one output
-folder. A worker that cannot build a jail refuses every task with the reason (unless the instructor
-passed --trusted), and so does a worker whose course differs from the instructor's (other hidden
-tests would give other grades).
+(grade.read_submission) and sends its bytes with the task, with the assignment's template gradebook.
+On the worker, `grade_on_worker` writes both into a scratch folder of its own and runs
+grade.grade_one there, in the worker's own jail, then returns the Outcome with the autograded and
+feedback files as bytes, which the instructor's side writes into the one output folder. A worker
+that cannot build a jail refuses every task with the reason (unless the instructor passed
+--trusted), and so does a worker whose course differs from the instructor's as the notebook is sent
+(other hidden checks would give other grades).
 
 A worker that dies mid-notebook has its task run again on another worker once: the scheduler allows
 ALLOWED_FAILURES deaths per task (its own setting: `local` sets it, a remote scheduler must be started
@@ -103,14 +104,15 @@ def grade_on_worker(student: str, assignment: str, notebook: bytes, template: by
 
 
 def write_results(out: Path, student: str, assignment: str, files: dict[str, bytes]) -> None:
-    """Write a worker's result files into out/<kind>/<student>/<assignment>/, refusing any path that leaves it."""
-    for name, data in files.items():
-        path = PurePosixPath(name)
+    """Write a worker's result files into out/<kind>/<student>/<assignment>/; none if any path would leave it."""
+    paths = {name: PurePosixPath(name) for name in files}
+    for name, path in paths.items():
         if path.is_absolute() or ".." in path.parts or len(path.parts) < 2 or path.parts[0] not in RESULT_KINDS:
             raise ValueError(f"a worker returned a file outside the student's folders: {name!r}")
+    for name, path in paths.items():
         target = out / path.parts[0] / student / assignment / Path(*path.parts[1:])
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        target.write_bytes(files[name])
 
 
 def _client(scheduler: str, jobs: int):
@@ -122,7 +124,7 @@ def _client(scheduler: str, jobs: int):
         return Client(scheduler)
     with dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES}):
         cluster = LocalCluster(n_workers=max(1, jobs), threads_per_worker=1, processes=True,
-                               dashboard_address=None, silence_logs=logging.ERROR)
+                               dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR)  # any free port
     return Client(cluster, set_as_default=False)
 
 
@@ -145,14 +147,13 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
                             f"start some (see the README)") from None
         # Sent with every task rather than scattered once: data held by a worker dies with it, a task's own doesn't.
         gradebooks = {assignment: path.read_bytes() for assignment, path in templates.items()}
-        digest = course_digest()
-        ahead = IN_FLIGHT_PER_THREAD * (sum(client.nthreads().values()) or 1)
         pending = iter(todo)
         running = as_completed(loop=client.loop)
         tasks = {}
 
         def send() -> Iterator[tuple[Outcome, str | None]]:
-            """Submit notebooks until `ahead` are on the cluster; yield the outcome of those that cannot be read."""
+            """Submit notebooks until each worker thread has a few; yield the outcome of those that cannot be read."""
+            ahead = IN_FLIGHT_PER_THREAD * max(1, sum(client.nthreads().values()))  # workers may join or leave
             while running.count() < ahead:
                 student, assignment, notebook = next(pending, (None, None, None))
                 if student is None:
@@ -160,11 +161,12 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
                 try:
                     submitted = read_submission(notebook)
                 except (OSError, ValueError) as error:
-                    reason = "it is a symbolic link" if isinstance(error, OSError) and notebook.is_symlink() else str(error)
+                    linked = isinstance(error, OSError) and notebook.is_symlink()
+                    reason = "it is a symbolic link" if linked else str(error)
                     yield zeros(student, assignment, asked[assignment], f"the notebook was not graded: {reason}"), None
                     continue
                 future = client.submit(grade_on_worker, student, assignment, submitted, gradebooks[assignment],
-                                       asked[assignment], cell_timeout, trusted, digest, pure=False, retries=1,
+                                       asked[assignment], cell_timeout, trusted, course_digest(), pure=False, retries=1,
                                        key=f"grade-{student}-{assignment}-{uuid.uuid4().hex[:8]}")
                 tasks[future.key] = (student, assignment)
                 running.add(future)

@@ -23,6 +23,7 @@ from conftest import ROOT, SAMPLES, expected_scores
 
 pytestmark = pytest.mark.slow
 ASSIGNMENT = "01_online_softmax"
+COMPARED = ["alt_correct", "bug_l_not_rescaled", "cheat_patched_checks"]  # correct, a named bug, a cheat
 START_TIMEOUT_S = 60
 
 
@@ -98,16 +99,18 @@ def _kill_when_grading(address: str, workers: dict[str, subprocess.Popen], spare
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
-    """The 01 samples graded by the local thread pool: (submissions, output folder)."""
+    """Three 01 samples graded by the local thread pool, as expected: (submissions, output folder)."""
     folder = tmp_path_factory.mktemp("local")
-    students = sorted(expected_scores()[ASSIGNMENT])
-    submissions = _submissions(folder / "submitted", students)
-    grade.grade(submissions, folder / "grades", jobs=2, progress=False)
+    submissions = _submissions(folder / "submitted", COMPARED)
+    outcomes = grade.grade(submissions, folder / "grades", jobs=2, progress=False)
+    expected = expected_scores()[ASSIGNMENT]
+    assert {o.student: {s.question: s.points for s in o.scores if s.kind == "auto"} for o in outcomes} == \
+        {student: expected[student] for student in COMPARED}
     return submissions, folder / "grades"
 
 
 def test_cluster_grades_equal_local_grades(local_run, tmp_path):
-    """Two `dask worker` processes grade the 01 samples: grades.csv and the result files equal the local run's."""
+    """Two `dask worker` processes grade 01 samples: grades.csv and the result files equal the local run's."""
     submissions, local = local_run
     with dask_cluster(tmp_path / "cluster", ["w1", "w2"]) as (address, _):
         outcomes = grade.grade(submissions, tmp_path / "grades", progress=False, scheduler=address)
@@ -115,7 +118,8 @@ def test_cluster_grades_equal_local_grades(local_run, tmp_path):
     assert (tmp_path / "grades" / "grades.csv").read_text() == (local / "grades.csv").read_text()
     for kind in cluster.RESULT_KINDS:
         here = sorted(p.relative_to(local) for p in (local / kind).rglob("*") if p.is_file())
-        there = sorted(p.relative_to(tmp_path / "grades") for p in (tmp_path / "grades" / kind).rglob("*") if p.is_file())
+        there = sorted(p.relative_to(tmp_path / "grades")
+                       for p in (tmp_path / "grades" / kind).rglob("*") if p.is_file())
         assert there == here and here, kind
     feedback = tmp_path / "grades" / "feedback" / "bug_l_not_rescaled" / ASSIGNMENT / f"{ASSIGNMENT}.html"
     assert "l is not multiplied by alpha" in feedback.read_text()
@@ -158,7 +162,8 @@ def test_notebook_whose_workers_all_die_is_reported(tmp_path):
     [outcome] = result["outcomes"]
     assert "the worker grading it died, 2 times" in outcome.problem
     assert outcome.scores and not any(s.points for s in outcome.scores)
-    assert f"{student}, {ASSIGNMENT}: not graded: the worker grading it died" in (tmp_path / "grades" / "summary.txt").read_text()
+    summary = (tmp_path / "grades" / "summary.txt").read_text()
+    assert f"{student}, {ASSIGNMENT}: not graded: the worker grading it died" in summary
     rows = (tmp_path / "grades" / "grades.csv").read_text().splitlines()[1:]
     assert len(rows) == len(outcome.scores) and all(row.startswith(f"{student},") for row in rows)
 
@@ -168,7 +173,8 @@ def jailless_worker(tmp_path_factory):
     """A cluster of one worker, w1, that cannot build a jail: bubblewrap is not on its PATH. The scheduler's address."""
     folder = tmp_path_factory.mktemp("jailless")
     (folder / "bin").mkdir()
-    with dask_cluster(folder / "cluster", ["w1"], {"PATH": f"{Path(sys.executable).parent}:{folder / 'bin'}"}) as (address, _):
+    without_bwrap = {"PATH": f"{Path(sys.executable).parent}:{folder / 'bin'}"}
+    with dask_cluster(folder / "cluster", ["w1"], without_bwrap) as (address, _):
         yield address
 
 
@@ -179,6 +185,24 @@ def test_worker_without_a_jail_refuses(jailless_worker, tmp_path):
     assert "only run in a jail, and worker w1 cannot build one: bubblewrap (bwrap) is not installed" in outcome.problem
     assert not any(s.points for s in outcome.scores)
     assert not (tmp_path / "grades" / "autograded").exists()
+
+
+def test_worker_without_a_jail_grades_trusted_notebooks_and_says_so(jailless_worker, tmp_path):
+    """With --trusted, the jail-less worker grades the course's own sample, and the summary warns it ran unjailed."""
+    submissions = _submissions(tmp_path / "submitted", ["blank"])
+    [outcome] = grade.grade(submissions, tmp_path / "grades", progress=False, scheduler=jailless_worker, trusted=True)
+    assert outcome.problem == "" and outcome.scores
+    assert "WITHOUT a jail" in (tmp_path / "grades" / "summary.txt").read_text()
+    assert (tmp_path / "grades" / "feedback" / "blank" / ASSIGNMENT / f"{ASSIGNMENT}.html").exists()
+
+
+def test_local_dask_cluster_grades_like_the_thread_pool(local_run, tmp_path):
+    """--scheduler local: a Dask cluster of worker processes on this machine gives the same grades.csv."""
+    _, local = local_run
+    one = _submissions(tmp_path / "submitted", ["bug_l_not_rescaled"])
+    grade.grade(one, tmp_path / "grades", jobs=1, progress=False, scheduler="local")
+    rows = [r for r in (local / "grades.csv").read_text().splitlines() if r.startswith("bug_l_not_rescaled,")]
+    assert (tmp_path / "grades" / "grades.csv").read_text().splitlines()[1:] == rows
 
 
 def test_worker_with_another_course_refuses(jailless_worker):
@@ -196,7 +220,14 @@ def test_worker_with_another_course_refuses(jailless_worker):
 
 @pytest.mark.parametrize("name", ["../x.html", "/etc/passwd", "feedback/../../x", "templates/x.db", "feedback"])
 def test_result_files_stay_in_the_student_folder(tmp_path, name):
-    """A returned file whose path would leave out/<kind>/<student>/<assignment>/ is refused, and nothing is written."""
+    """A returned file whose path would leave out/<kind>/<student>/<assignment>/ is refused, and no file is written."""
     with pytest.raises(ValueError, match="outside the student's folders"):
-        cluster.write_results(tmp_path, "s", ASSIGNMENT, {name: b"x"})
+        cluster.write_results(tmp_path, "s", ASSIGNMENT, {"feedback/page.html": b"x", name: b"x"})
     assert not any(tmp_path.iterdir())
+
+
+def test_result_files_land_in_the_student_folder(tmp_path):
+    """Returned files are written under out/<kind>/<student>/<assignment>/, subfolders kept."""
+    cluster.write_results(tmp_path, "s", ASSIGNMENT, {"feedback/page.html": b"a", "autograded/sub/nb.ipynb": b"b"})
+    assert (tmp_path / "feedback" / "s" / ASSIGNMENT / "page.html").read_bytes() == b"a"
+    assert (tmp_path / "autograded" / "s" / ASSIGNMENT / "sub" / "nb.ipynb").read_bytes() == b"b"
