@@ -24,7 +24,12 @@ classic mistake, and the message names the mistake only when the answer matches 
     gqa_last_head        dk, dv written per query head, so the last head of each group wins
 
 and, for the saved lse: lse_is_max (m saved, without log l), lse_base2 (log2 instead of ln), lse_log_l
-(log l without m). NaN gradients on rows that see no key are named as exp(-inf - -inf).
+(log l without m). NaN gradients on rows that see no key are named as exp(-inf - -inf). One mistake
+belongs to the Triton dK/dV kernel, whose causal loop walks the query blocks backwards: a loop that starts
+one query block late (`dkdv_start_variant`, tried for the usual block sizes) drops from dK and dV the
+queries of the first query block that sees each key block; dQ stays right.
+
+A training step (forward through autograd, then loss.backward()) is checked by `check_train_step`.
 
     from flashcourse import attention_checks as ac, backward_checks as bc
     bc.check_forward_lse(online_attention_lse, [c.with_kwargs(tile=4) for c in ac.standard_cases()])
@@ -36,6 +41,7 @@ FlashAttention-2, section 3.1.
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from typing import Callable, Iterable
@@ -347,8 +353,77 @@ def explain_gradients(result, case: Case, do: torch.Tensor, what: str = "backwar
     bugs = matching_bugs(got, case, do, want, rtol, atol)
     if bugs:
         return f"{message} This is exactly what happens when " + ", or when ".join(BACKWARD_BUGS[b] for b in bugs) + "."
+    blocks = _start_late_blocks(got, case, do, rtol, atol) if wrong[0][0] != "dq" else None
+    if blocks:
+        return (f"{message} This is exactly what happens (with BLOCK_M = {blocks[0]}, BLOCK_N = {blocks[1]}) when "
+                f"{START_LATE}.")
     return message + (" Check Delta = rowsum(dO * O), P = exp(S - lse) on visible keys only, the scale in dQ and "
                       "dK, and that dK and dV sum over the query heads of each KV head.")
+
+
+# (BLOCK_M, BLOCK_N) pairs of the dK/dV kernel tried when its loop may start a query block late.
+KERNEL_BLOCKS = tuple((m, n) for m in (16, 32, 64, 128) for n in (16, 32, 64, 128))
+START_LATE = ("the dK/dV loop starts one query block late: key block n is first seen by query first = n * BLOCK_N "
+              "- offset, and the loop must start at the block that holds it, (first // BLOCK_M) * BLOCK_M, so dK and "
+              "dV miss the queries from first to the next block boundary")
+
+
+def _offsets(case: Case) -> torch.Tensor | None:
+    """[B] the position of query 0 when the queries sit at offset + i (as a kernel's query_offset places
+    them) and the keys at 0, 1, ...; None for other positions."""
+    b, _, t, _ = case.q.shape
+    s = case.k.shape[2]
+    if case.key_positions is not None and not torch.equal(torch.as_tensor(case.key_positions).cpu(), torch.arange(s)):
+        return None
+    qp = positions(case.query_positions, b, t, s - t, "cpu")                        # [B, T]
+    if not torch.equal(qp, qp[:, :1] + torch.arange(t)):
+        return None
+    return qp[:, 0]
+
+
+def dkdv_start_variant(case: Case, do: torch.Tensor, block_m: int, block_n: int, rounded_up: bool = False):
+    """float64 (dq, dk, dv) of a kernel whose dK/dV loop starts one query block late (dq right), or None when
+    the case's positions are not those of a query offset or the mistake changes nothing on it.
+
+    The loop starts at the block after the one holding `first` ((first // BLOCK_M + 1) * BLOCK_M), or, with
+    rounded_up, at first rounded up to a block boundary (late only where first is not on one).
+    """
+    offsets = _offsets(case)
+    if offsets is None:
+        return None
+    cpu = case.to("cpu")
+    q, k = cpu.q.double(), cpu.k.double()
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    scores, v, mask = ac._scores_and_mask(cpu)                                     # [B, Hq, T, S], [B, 1, T, S]
+    do = do.detach().cpu().double()
+    o, lse = reference_forward(cpu)
+    seen = torch.isfinite(lse)[..., None]
+    p = torch.exp(scores - torch.where(seen, lse[..., None], 0.0)).masked_fill(~mask, 0.0) * seen
+    ds = p * (do @ v.transpose(-2, -1) - (do * o).sum(-1, keepdim=True))           # [B, Hq, T, S]
+    first = ((torch.arange(s) // block_n * block_n)[None, :] - offsets[:, None]).clamp(min=0)   # [B, S]
+    late = (first + block_m - 1) // block_m * block_m if rounded_up else (first // block_m + 1) * block_m
+    rows = torch.arange(t)[None, :, None]                                           # [1, T, 1]
+    dropped = ((rows >= first[:, None, :]) & (rows < late[:, None, :]))[:, None]    # [B, 1, T, S]
+    if not bool((dropped & mask).any()):
+        return None
+    kept_p, kept_ds = p.masked_fill(dropped, 0.0), ds.masked_fill(dropped, 0.0)
+    heads = torch.arange(hq) // group
+    dq = scale * ds @ k[:, heads]
+    dk = (scale * kept_ds.transpose(-2, -1) @ q).reshape(b, hkv, group, s, d).sum(2)
+    dv = (kept_p.transpose(-2, -1) @ do).reshape(b, hkv, group, s, -1).sum(2)
+    return dq, dk, dv
+
+
+def _start_late_blocks(got, case: Case, do: torch.Tensor, rtol: float, atol: float) -> tuple[int, int] | None:
+    """The first (BLOCK_M, BLOCK_N) whose start-late dK/dV `got` equals, or None."""
+    for (block_m, block_n), rounded_up in itertools.product(KERNEL_BLOCKS, (False, True)):
+        wrong = dkdv_start_variant(case, do, block_m, block_n, rounded_up)
+        if wrong is not None and all(bool(ac._close(g, w, 2 * rtol, 2 * atol).all()) for g, w in zip(got, wrong)):
+            return block_m, block_n
+    return None
 
 
 def call_backward(fn: Callable, case: Case, do: torch.Tensor | None = None):
@@ -366,6 +441,29 @@ def check_backward(fn: Callable, cases: Iterable[Case]) -> None:
         problem = explain_gradients(result, case, do, what)
         if problem:
             raise AssertionError(problem)
+
+
+RACE_HINT = ("dq changes from run to run on the same inputs, and is wrong: several programs add into the same rows "
+             "of dQ without tl.atomic_add (a plain load-add-store loses an addition whenever two programs race), or "
+             "dQ is accumulated into memory that was not zeroed first. Use tl.atomic_add into a zeroed FP32 dq, or "
+             "compute dQ in a kernel of its own that writes each row once")
+
+
+def check_backward_repeated(fn: Callable, case: Case, runs: int = 5) -> None:
+    """check_backward, `runs` times on one case: a race on dQ (wrong only sometimes, worse with more programs
+    writing the same rows) fails on a GPU. A wrong answer whose dq differs between runs is named as a race."""
+    what = getattr(fn, "__name__", "backward")
+    do = upstream(case)
+    answers = [call_backward(fn, case, do)[0] for _ in range(runs)]
+    for run, result in enumerate(answers):
+        problem = explain_gradients(result, case, do, what)
+        if problem is None:
+            continue
+        got = [_as_gradients(r, case, "") for r in answers]
+        if not any(isinstance(g, str) for g in got) and \
+                any(not torch.equal(g[0], got[0][0]) for g in got[1:]):
+            raise AssertionError(f"{what}, {case.describe()}, run {run + 1} of {runs}: {RACE_HINT}. ({problem})")
+        raise AssertionError(f"run {run + 1} of {runs}: {problem}")
 
 
 def recognise_gradients(result, case: Case, do: torch.Tensor) -> str | None:
@@ -463,3 +561,21 @@ def _check_backward_memory_from_outside(fn: Callable, case: Case, tile_arg: str)
         raise AssertionError(f"{what}, {big.describe()}: within the memory limit it answered, but dq of rows "
                              f"{rows.tolist()} is neither the gradient nor a recognised mistake's, so its memory use "
                              "earns nothing.")
+
+
+def check_train_step(fn: Callable, cases: Iterable[Case]) -> None:
+    """fn(q, k, v, do, **kwargs) -> (o, dq, dk, dv), a forward and loss.backward() with the output's gradient do,
+    must return the reference output and autograd's gradients; AssertionError naming the mistake."""
+    what = getattr(fn, "__name__", "train step")
+    for case in cases:
+        do = upstream(case)
+        result = fn(case.q, case.k, case.v, do, **case.kwargs)
+        where = f"{what}, {case.describe()}"
+        if not isinstance(result, (tuple, list)) or len(result) != 4:
+            raise AssertionError(f"{where}: should return (o, dq, dk, dv), got {type(result).__name__}")
+        problem = (_explain_output_with_empty_rows(result[0], case, _empty_rows(case), f"{where} (the forward)")
+                   or explain_gradients(tuple(result[1:]), case, do, f"{what} (loss.backward())"))
+        if problem:
+            if all(g is None for g in result[1:]):
+                problem += " No gradient reached q, k or v: does FlashAttention.backward return them?"
+            raise AssertionError(problem)

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from flashcourse import attention_checks as ac
+from flashcourse import backward_checks as bc
 from flashcourse import reference, runtime
 from flashcourse.bench_backward import engine
 
@@ -126,3 +128,87 @@ def test_lse_shape_checked():
     o, lse = bw.flash_attention_lse(q, k, v)
     with pytest.raises(ValueError, match="lse"):
         bw.flash_attention_backward(q, k, v, o, lse[..., None], do)
+
+
+# Mistakes planted in the exported kernels' source text (a mutation of the solution, imported as a module of
+# its own): (edits, the hidden cell that must fail, words its message must contain).
+KERNEL_MUTATIONS = {
+    "delta_missing": ([("ds_t = p_t * (dp_t - delta[None, :])", "ds_t = p_t * dp_t"),
+                       ("ds = p * (dp - delta[:, None])", "ds = p * dp")],
+                      "test_flash_attention_backward", bc.BACKWARD_BUGS["delta_missing"]),
+    "lse_read_as_base2": ([('float("inf"), lse * 1.4426950408889634)', 'float("inf"), lse)')],
+                          "test_flash_attention_backward", bc.BACKWARD_BUGS["lse_read_as_base2"]),
+    "dq_no_scale": ([("dq = dq * sm_scale", "dq = dq")], "test_flash_attention_backward",
+                    bc.BACKWARD_BUGS["dq_no_scale"]),
+    "gqa_last_head": ([("        h = kv_h * group + g\n",
+                        "        h = kv_h * group + g\n        dk = tl.zeros((BLOCK_N, D), tl.float32)\n"
+                        "        dv = tl.zeros((BLOCK_N, D), tl.float32)\n")],
+                      "test_flash_attention_backward_gqa", bc.BACKWARD_BUGS["gqa_last_head"]),
+    "start_late": ([("start = tl.minimum((first // BLOCK_M) * BLOCK_M, T)",
+                     "start = tl.minimum(tl.cdiv(first, BLOCK_M) * BLOCK_M, T)")],
+                   "test_flash_attention_backward_offset", bc.START_LATE),
+    "backward_not_written": ([("        q, k, v, o, lse = ctx.saved_tensors\n", "        return None, None, None, None, None\n")],
+                             "test_flash_attention_train", "No gradient reached q, k or v"),
+}
+
+
+def _mutant_engine(tmp_path, name, edits):
+    """flashcourse.engine.backward with `edits` applied to its text, imported from a file of its own."""
+    import importlib.util
+    from pathlib import Path
+
+    text = Path(bw.__file__).read_text()
+    for old, new in edits:
+        assert old in text, f"the engine no longer contains {old!r}"
+        text = text.replace(old, new)
+    path = tmp_path / f"mutant_{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"mutant_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mistake", sorted(KERNEL_MUTATIONS))
+def test_planted_kernel_mistake_is_named(mistake, tmp_path):
+    """Each mistake planted in the kernels fails its hidden cell with a message that names it."""
+    from autograder.hidden import backward as hidden
+
+    edits, cell, words = KERNEL_MUTATIONS[mistake]
+    mutant = _mutant_engine(tmp_path, mistake, edits)
+    graded = mutant.train_step_gradients if cell == "test_flash_attention_train" else mutant.flash_attention_backward
+    with pytest.raises(AssertionError) as failure:
+        getattr(hidden, cell)(graded)
+    assert words in str(failure.value), str(failure.value)
+
+
+def test_correct_kernels_pass_every_hidden_cell():
+    """The engine passes the four hidden Triton cells; a correct kernel is never given a diagnosis."""
+    from autograder.hidden import backward as hidden
+
+    hidden.test_flash_attention_backward(bw.flash_attention_backward)
+    hidden.test_flash_attention_backward_gqa(bw.flash_attention_backward)
+    hidden.test_flash_attention_backward_offset(bw.flash_attention_backward)
+    hidden.test_flash_attention_train(bw.train_step_gradients)
+
+
+def test_race_named_only_when_dq_changes_between_runs():
+    """check_backward_repeated names a race when a wrong dq differs from run to run, and not when it is always
+    the same wrong dq (there it names the mistake, here the missing scale)."""
+    case = ac.make_case("crowded", batch=1, q_heads=1, kv_heads=1, t=5, s=40, query_offset=39, seed=3)
+    noise = torch.Generator().manual_seed(0)
+
+    def racy(q, k, v, o, lse, do, query_offset=None):
+        dq, dk, dv = bw.flash_attention_backward(q, k, v, o, lse, do, query_offset)
+        return dq * (1 - torch.rand(1, generator=noise)), dk, dv   # some additions lost, a different share each run
+
+    def unscaled(q, k, v, o, lse, do, query_offset=None):
+        dq, dk, dv = bw.flash_attention_backward(q, k, v, o, lse, do, query_offset)
+        return dq * math.sqrt(q.shape[-1]), dk, dv
+
+    with pytest.raises(AssertionError, match="changes from run to run"):
+        bc.check_backward_repeated(racy, case, runs=3)
+    with pytest.raises(AssertionError) as failure:
+        bc.check_backward_repeated(unscaled, case, runs=3)
+    assert "run to run" not in str(failure.value) and bc.BACKWARD_BUGS["dq_no_scale"] in str(failure.value)
+    bc.check_backward_repeated(bw.flash_attention_backward, case, runs=2)

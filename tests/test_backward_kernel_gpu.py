@@ -1,6 +1,8 @@
 """The compiled backward kernels on a CUDA GPU: bf16 and fp16 gradients against FP32 autograd, every
 autotuned block configuration, odd lengths, GQA, and dQ the same bit for bit on every run."""
 
+import functools
+
 import pytest
 import torch
 
@@ -123,3 +125,95 @@ def test_validation(bw):
     q = torch.randn(1, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError):
         bw.flash_attention_train(q, q[:, :2], q[:, :2])
+
+
+@functools.cache
+def _dq_by_key_blocks():
+    """The kernel of _racy_backward, defined (and compiled) once; Triton is imported only where a GPU runs."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dq_by_key_blocks(
+        q_ptr, k_ptr, v_ptr, do_ptr,         # q, do [T, D]; k, v [S, D]; contiguous FP32
+        lse_ptr, delta_ptr,                  # lse and Δ [T], FP32
+        dq_ptr,                              # dq [T, D], FP32, zeroed: every program adds into it
+        T, S,                                # number of queries and of keys
+        sm_scale,                            # 1 / sqrt(D)
+        D: tl.constexpr,                     # head dimension
+        BLOCK_M: tl.constexpr,               # >= T: all queries in one tile
+        BLOCK_N: tl.constexpr,               # keys per program
+        ATOMIC: tl.constexpr,                # tl.atomic_add, or a racy load-add-store
+    ):
+        keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, D)
+        row_ok = rows < T
+        key_ok = keys < S
+        q = tl.load(q_ptr + rows[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_ptr + rows[:, None] * D + cols[None, :], mask=row_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + keys[:, None] * D + cols[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + keys[:, None] * D + cols[None, :], mask=key_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale                 # [BLOCK_M, BLOCK_N]
+        p = tl.where(row_ok[:, None] & key_ok[None, :], tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision="ieee") - delta[:, None])
+        dq = tl.dot(ds, k, input_precision="ieee") * sm_scale                         # [BLOCK_M, D]
+        at = dq_ptr + rows[:, None] * D + cols[None, :]
+        if ATOMIC:
+            tl.atomic_add(at, dq, mask=row_ok[:, None])
+        else:
+            tl.store(at, tl.load(at, mask=row_ok[:, None], other=0.0) + dq, mask=row_ok[:, None])
+
+    return dq_by_key_blocks
+
+
+def _racy_backward(bw, atomic: bool):
+    """A backward whose dQ comes from one program per block of 64 keys, each adding its share into the same
+    FP32 rows of dQ: with tl.atomic_add (atomic) or with a plain load-add-store (a race). dK and dV are the
+    engine's. For one head (B = Hq = Hkv = 1), T <= 64 queries that see every key."""
+    import triton
+
+    dq_by_key_blocks = _dq_by_key_blocks()
+
+    def backward(q, k, v, o, lse, do, query_offset=None):
+        _, dk, dv = bw.flash_attention_backward(q, k, v, o, lse, do, query_offset)
+        T, S, D = q.shape[2], k.shape[2], q.shape[3]
+        dq = torch.zeros(T, D, device=q.device, dtype=torch.float32)
+        dq_by_key_blocks[(triton.cdiv(S, 64),)](q[0, 0].contiguous(), k[0, 0].contiguous(), v[0, 0].contiguous(),
+                                               do[0, 0].contiguous(), lse[0, 0].contiguous(),
+                                               bw.backward_delta(o, do)[0, 0].contiguous(), dq, T, S, D ** -0.5,
+                                               D=D, BLOCK_M=64, BLOCK_N=64, ATOMIC=atomic)
+        return dq[None, None], dk, dv
+
+    backward.__name__ = "atomic_dq_backward" if atomic else "racy_dq_backward"
+    return backward
+
+
+def test_dq_race_is_caught(bw):
+    """64 queries over 4096 keys in FP32, 64 programs adding into the same rows of dQ: the repeated check fails
+    a load-add-store every time and names the race; atomics and the engine's two dQ paths pass it."""
+    from flashcourse import attention_checks as ac
+    from flashcourse import backward_checks as bc
+
+    crowded = ac.make_case("64 queries over 4096 keys", batch=1, q_heads=1, kv_heads=1, t=64, s=4096, d=64,
+                           query_offset=4095, seed=7, dtype=torch.float32, device="cuda")
+    for trial in range(3):
+        with pytest.raises(AssertionError, match="changes from run to run"):
+            bc.check_backward_repeated(_racy_backward(bw, atomic=False), crowded, runs=5)
+    bc.check_backward_repeated(_racy_backward(bw, atomic=True), crowded, runs=5)
+    bc.check_backward_repeated(bw.flash_attention_backward, crowded, runs=5)
+    with_atomics = lambda *args, **kwargs: bw.flash_attention_backward(*args, atomic_dq=True, **kwargs)  # noqa: E731
+    bc.check_backward_repeated(with_atomics, crowded, runs=5)
+
+
+def test_hidden_checks_pass_compiled(bw):
+    """The engine passes 06's hidden Triton cells compiled (float32, true FP32 products), the repeated
+    many-key-block case included."""
+    from autograder.hidden import backward as hidden
+
+    hidden.test_flash_attention_backward(bw.flash_attention_backward)
+    hidden.test_flash_attention_backward_gqa(bw.flash_attention_backward)
+    hidden.test_flash_attention_backward_offset(bw.flash_attention_backward)
+    hidden.test_flash_attention_train(bw.train_step_gradients)

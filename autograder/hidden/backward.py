@@ -1,10 +1,20 @@
-"""Hidden checks for 06_backward: the forward with its log-sum-exp and the backward pass, in PyTorch.
+"""Hidden checks for 06_backward: the forward with its log-sum-exp and the backward pass, in PyTorch and
+as Triton kernels.
 
 Each check runs on its own variety of shapes: T and S odd, tiles that do not divide them, GQA 4:1 and
 2:1 beside Hq = Hkv, chunked prefill and custom positions, rows whose first tiles or all keys are
 invisible. The GQA cases are kept out of the other backward checks, so a dk/dv written per query head
 loses the GQA points alone. Tolerances are flashcourse.attention_checks.TOLERANCES for float32 (1e-4
 relative and absolute) against torch.autograd through the float64 reference; every case is seeded.
+
+The Triton checks run in float32, under the interpreter on a CPU (small shapes) or compiled on a GPU (head
+dimension 64, four times longer sequences, true FP32 products through the kernels' input_precision="ieee"),
+so the float32 tolerances hold everywhere and a failure is a mistake, not rounding. How close bf16 gets is
+measured by tests/test_backward_kernel_gpu.py, not graded.
+Every length is odd, so no block size divides it and each (batch, head) ends in a padded block; there are
+always several heads, so rows past T that leaked into the next head's Δ or dK/dV would show. Under the
+interpreter programs run one after another, so a dQ race cannot show here: tests/test_backward_kernel_gpu.py
+runs the compiled backward many times on a shape with many key blocks.
 
 Memory has no hidden check: the visible one of its cell, measured from outside on a case scaled up
 until one [T, S] matrix takes 1 GiB, is as strong as a check can be, and a second such probe would
@@ -15,6 +25,7 @@ import torch
 
 from flashcourse import attention_checks as ac
 from flashcourse import backward_checks as bc
+from flashcourse import runtime
 
 BIG = 10**6   # the position of a padding key: later than every query, so never visible
 TILES = (1, 3, 7, 16, 64)
@@ -101,3 +112,59 @@ def test_attention_backward_edges(attention_backward) -> None:
     """Rows that see no key: zero gradient, no NaN, for every tile size."""
     bc.check_backward(attention_backward, [c.with_kwargs(tile=t) for c in _no_key_cases() for t in (1, 2, 3, 5, 16)])
 
+
+
+def _kernel_case(name, seed, t, s=None, **spec):
+    """A float32 case on the runtime's device; on a GPU the head dimension is 64 and T, S grow 4x."""
+    rt = runtime.current()
+    grow = 1 if rt.interpret else 4
+    s = t if s is None else s
+    return ac.make_case(name, t=t * grow, s=s * grow, d=16 if rt.interpret else 64, seed=seed, device=rt.device,
+                        **spec)
+
+
+def test_flash_attention_backward(flash_attention_backward) -> None:
+    """Causal, Hq = Hkv: odd T = S with two and three heads (padded last blocks), T = S = 70, decode, chunked prefill."""
+    bc.check_backward(flash_attention_backward, [
+        _kernel_case("prefill, T = S = 45", 400, 45, batch=2, q_heads=3, kv_heads=3),
+        _kernel_case("prefill, T = S = 70", 401, 70, batch=1, q_heads=2, kv_heads=2),
+        _kernel_case("decode, T = 1, S = 29", 402, 1, 29, batch=2, q_heads=2, kv_heads=2),
+        _kernel_case("chunked prefill, T = 13, S = 50", 403, 13, 50, batch=1, q_heads=2, kv_heads=2),
+        _kernel_case("prefill, large scores", 404, 33, batch=1, q_heads=2, kv_heads=2, score_scale=8.0),
+    ])
+    if not runtime.current().interpret:  # compiled: many key blocks add into the same few rows of dQ at once
+        crowded = ac.make_case("64 queries over 4096 keys", batch=1, q_heads=2, kv_heads=2, t=64, s=4096, d=64,
+                               query_offset=4095, seed=405, device=runtime.current().device)
+        bc.check_backward_repeated(flash_attention_backward, crowded, runs=5)
+
+
+def test_flash_attention_backward_gqa(flash_attention_backward) -> None:
+    """GQA 4:1 and 2:1, prefill and chunked prefill: dk and dv summed over the query heads of each KV head."""
+    bc.check_backward(flash_attention_backward, [
+        _kernel_case("GQA 4:1, T = S = 37", 410, 37, batch=1, q_heads=8, kv_heads=2),
+        _kernel_case("GQA 2:1, T = 13, S = 45", 411, 13, 45, batch=2, q_heads=4, kv_heads=2),
+        _kernel_case("GQA 4:1, one KV head, T = S = 19", 412, 19, batch=1, q_heads=4, kv_heads=1),
+    ])
+
+
+def test_flash_attention_backward_offset(flash_attention_backward) -> None:
+    """Explicit query offsets: in the middle of the cache, 0 with T > S, and below 0 (rows that see no key)."""
+    rt = runtime.current()
+    grow = 1 if rt.interpret else 4
+    bc.check_backward(flash_attention_backward, [
+        _kernel_case("query_offset in the cache", 420, 23, 50, batch=1, q_heads=2, kv_heads=1, query_offset=9 * grow),
+        _kernel_case("query_offset 0, T > S", 421, 37, 21, batch=1, q_heads=2, kv_heads=2, query_offset=0),
+        _kernel_case("rows before key 0", 422, 21, 17, batch=2, q_heads=2, kv_heads=2, query_offset=-7 * grow),
+        _kernel_case("decode into a longer cache", 423, 1, 40, batch=1, q_heads=4, kv_heads=2, query_offset=25 * grow),
+    ])
+
+
+def test_flash_attention_train(train_step_gradients) -> None:
+    """loss.backward() through flash_attention_train: GQA, odd lengths, a query offset, rows that see no key."""
+    rt = runtime.current()
+    grow = 1 if rt.interpret else 4
+    bc.check_train_step(train_step_gradients, [
+        _kernel_case("prefill, GQA 2:1, T = S = 29", 430, 29, batch=2, q_heads=4, kv_heads=2),
+        _kernel_case("chunked prefill, GQA 4:1", 431, 11, 35, batch=1, q_heads=4, kv_heads=1, query_offset=20 * grow),
+        _kernel_case("rows before key 0", 432, 15, 12, batch=1, q_heads=2, kv_heads=2, query_offset=-3 * grow),
+    ])

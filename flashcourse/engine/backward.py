@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from flashcourse.positions import positions
+from flashcourse.positions import resolve_positions  # checks Hq % Hkv; returns qp [B, T] and kp [B, S]
 
 
 def online_attention_lse(q, k, v, query_positions=None, key_positions=None, tile=16):
@@ -19,13 +19,10 @@ def online_attention_lse(q, k, v, query_positions=None, key_positions=None, tile
     """
     if tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
+    qp, kp = resolve_positions(q, k, query_positions, key_positions)       # [B, T], [B, S]
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
     group = q_heads // kv_heads
-    qp = positions(query_positions, batch, t, s - t, q.device)              # [B, T]
-    kp = positions(key_positions, batch, s, 0, q.device)                    # [B, S]
     # The query heads of one KV head side by side, so K and V are never copied: [B, Hkv, group, T, D].
     q5 = q.float().reshape(batch, kv_heads, group, t, d) / math.sqrt(d)
     m = torch.full((batch, kv_heads, group, t, 1), float("-inf"), device=q.device)
@@ -59,14 +56,11 @@ def attention_backward(q, k, v, o, lse, do, query_positions=None, key_positions=
     """
     if tile < 1:
         raise ValueError(f"tile must be at least 1, got {tile}")
+    qp, kp = resolve_positions(q, k, query_positions, key_positions)       # [B, T], [B, S]
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(d)
-    qp = positions(query_positions, batch, t, s - t, q.device)              # [B, T]
-    kp = positions(key_positions, batch, s, 0, q.device)                    # [B, S]
     grouped = (batch, kv_heads, group, t, -1)                               # query heads of a KV head side by side
     q5 = q.float().reshape(grouped)                                         # [B, Hkv, group, T, D]
     do5 = do.float().reshape(grouped)                                       # [B, Hkv, group, T, Dv]
@@ -102,13 +96,26 @@ runtime.setup(quiet=True)  # before Triton is imported: on a CPU this turns on i
 import triton  # noqa: E402  (after the runtime's choice)
 import triton.language as tl  # noqa: E402
 
-from flashcourse.engine.fast_kernel import (  # noqa: E402  (05's tile step, launch configs and checks)
-    LOG2E, TensorDescriptor, _attend_tile, _check_inputs, _prefill_configs, tma_supported)
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+
+
+def check_inputs(q, k, v):
+    """04's checks, before anything is launched: one device, matching shapes, Hq % Hkv == 0, D = 2^n >= 16."""
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    if tuple(v.shape) != tuple(k.shape) or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"expected k and v of shape [{B}, Hkv, S, {D}], got {list(k.shape)} and {list(v.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"the head dimension must be a power of two >= 16 (tl.dot and tl.arange need it), got {D}")
 
 
 @triton.jit
 def flash_fwd_lse_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,              # q [B, Hq, T, D], k and v [B, Hkv, S, D] (USE_TMA: descriptors), o like q
+    q_ptr, k_ptr, v_ptr, o_ptr,              # q [B, Hq, T, D], k and v [B, Hkv, S, D], o like q
     lse_ptr,                                 # lse [B, Hq, T], FP32, contiguous: natural log, -inf for a row that sees no key
     stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query (D is contiguous)
     stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
@@ -123,60 +130,54 @@ def flash_fwd_lse_kernel(
     BLOCK_M: tl.constexpr,                   # queries per program
     BLOCK_N: tl.constexpr,                   # keys per step of the loop
     CAUSAL: tl.constexpr,                    # False: every query sees every key
-    USE_TMA: tl.constexpr,                   # K and V through tensor descriptors (Hopper's TMA) rather than pointers
     DOT_PRECISION: tl.constexpr = "ieee",    # FP32 inputs: "ieee" is true FP32, "tf32" rounds to 10 bits
 ):
-    """05's fast kernel (exp2, diagonal split), which also stores L = m + log(l) for the backward pass."""
-    block = tl.num_programs(0) - 1 - tl.program_id(0)   # the longest (last) query blocks first
+    """04's kernel in base 2, which also stores L = m + log(l) per query row for the backward pass."""
+    block = tl.program_id(0)                             # which block of queries
     bh = tl.program_id(1)                                # which (batch, query head)
     b = bh // q_heads
     h = bh % q_heads
-    kv_h = h // group
-
+    kv_h = h // group                                    # GQA: the KV head this query head reads
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)       # [BLOCK_M] query indices
     cols = tl.arange(0, D)                               # [D]
     row_ok = rows < T
     q_pos = offset + rows                                # [BLOCK_M] absolute positions
     q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + cols[None, :],
                 mask=row_ok[:, None], other=0.0)         # [BLOCK_M, D]
-    kv_index = b * (q_heads // group) + kv_h            # this (batch, KV head) in k and v viewed as [B * Hkv, S, D]
-    if USE_TMA:
-        k_src = k_ptr
-        v_src = v_ptr
-    else:
-        k_src = k_ptr + b * stride_kb + kv_h * stride_kh
-        v_src = v_ptr + b * stride_vb + kv_h * stride_vh
+    k_src = k_ptr + b * stride_kb + kv_h * stride_kh
+    v_src = v_ptr + b * stride_vb + kv_h * stride_vh
 
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running maximum per row, base 2 (scores times log2(e))
     l = tl.zeros((BLOCK_M,), tl.float32)                 # running sum of exp2(s - m)
     acc = tl.zeros((BLOCK_M, D), tl.float32)             # running sum of exp2(s - m) * v
-
-    if CAUSAL:
-        last_row = tl.minimum((block + 1) * BLOCK_M, T) - 1
-        stop = tl.minimum(S, offset + last_row + 1)      # one past the last key the block's last query sees
-        diagonal = tl.maximum(offset + block * BLOCK_M, 0)  # keys before this are visible to every row
+    if CAUSAL:  # one past the last key the block's last query sees (0 or less: the block sees no key)
+        stop = tl.minimum(S, offset + tl.minimum((block + 1) * BLOCK_M, T))
     else:
         stop = S
-        diagonal = S
-    # Whole tiles below both the diagonal and S run unmasked; a partial tile (keys past S) needs the mask.
-    masked_from = (tl.minimum(diagonal, tl.maximum(stop, 0)) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, masked_from, BLOCK_N):            # below the diagonal: no mask
-        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
-                                 qk_scale, D, BLOCK_N, False, CAUSAL, False, True, USE_TMA, DOT_PRECISION)
-    for n0 in range(masked_from, stop, BLOCK_N):         # on the diagonal, and the last partial tile
-        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
-                                 qk_scale, D, BLOCK_N, True, CAUSAL, False, True, USE_TMA, DOT_PRECISION)
+    for n0 in range(0, stop, BLOCK_N):
+        keys = n0 + tl.arange(0, BLOCK_N)                # [BLOCK_N]
+        key_ok = keys < S
+        k = tl.load(k_src + keys[:, None] * stride_ks + cols[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_src + keys[:, None] * stride_vs + cols[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale                         # [BLOCK_M, BLOCK_N]
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: exp2(-inf - 0) = 0
+        alpha = tl.math.exp2(m - ref)                        # rescales the old state
+        p = tl.math.exp2(s - ref[:, None])                   # [BLOCK_M, BLOCK_N]
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
     seen = l > 0                                         # False for a row that sees no key (or past T)
-    o = acc / tl.where(seen, l, 1.0)[:, None]            # such a row's output is 0
-    lse2 = m + tl.log2(tl.where(seen, l, 1.0))          # base 2, since m is in the scores-times-log2(e) domain
-    lse = tl.where(seen, lse2 * 0.6931471805599453, float("-inf"))  # natural log: times ln(2)
+    l_safe = tl.where(seen, l, 1.0)
+    o = acc / l_safe[:, None]                            # such a row's output is 0
+    lse = tl.where(seen, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # to natural log: times ln(2)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + bh * T + rows, lse, mask=row_ok)
-
-
-flash_fwd_lse_tuned = triton.autotune(configs=_prefill_configs(), key=["T", "S", "D", "group", "CAUSAL"])(
-    flash_fwd_lse_kernel)
 
 
 def flash_attention_lse(q, k, v, query_offset=None, causal=True):
@@ -185,26 +186,23 @@ def flash_attention_lse(q, k, v, query_offset=None, causal=True):
     Query i sits at query_offset + i (default S - T), key j at j. A query that sees no key (a negative
     offset puts it before key 0) gets o = 0 and lse = -inf.
     """
-    _check_inputs(q, k, v)
+    check_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     offset = S - T if query_offset is None else int(query_offset)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)                                                       # [B, Hq, T, D]
     lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)             # [B, Hq, T]
-    tma = tma_supported(q)
-    k_arg, v_arg = k, v
-    if tma:  # k and v as [B * Hkv, S, D]; each config's pre-hook gives the descriptors its BLOCK_N
-        k_arg, v_arg = (TensorDescriptor.from_tensor(x.view(B * Hkv, S, D), [1, 16, D]) for x in (k, v))
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731  (blocks from the config)
-    flash_fwd_lse_tuned[grid](
-        q, k_arg, v_arg, o, lse,
+    block_m, block_n = (32, 16) if runtime.current().interpret else (64, 64)      # unequal on a CPU: bounds tested
+    grid = (triton.cdiv(T, block_m), B * Hq)
+    flash_fwd_lse_kernel[grid](
+        q, k, v, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         T, S, offset, Hq, Hq // Hkv, LOG2E / math.sqrt(D),
-        D=D, CAUSAL=causal, USE_TMA=tma)
+        D=D, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal)
     return o, lse
 
 
@@ -222,7 +220,7 @@ def backward_delta_kernel(
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)       # [BLOCK_M]
     cols = tl.arange(0, D)                               # [D]
     row_ok = rows < T
-    offsets = bh * T * D + rows[:, None] * D + cols[None, :]
+    offsets = bh * T * D + rows[:, None] * D + cols[None, :]   # [BLOCK_M, D] into o and do
     o = tl.load(o_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)    # [BLOCK_M, D]  read M*D
     do = tl.load(do_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_M, D]  read M*D
     tl.store(delta_ptr + bh * T + rows, tl.sum(o * do, axis=1), mask=row_ok)        # [BLOCK_M]     write M
@@ -241,7 +239,7 @@ def backward_delta(o, do, block_m=64):
 def _dkdv_tile(
     dk, dv,                                  # accumulators [BLOCK_N, D], FP32
     k, v,                                    # [BLOCK_N, D] the program's keys and values
-    q_src, do_src, lse_src, delta_src,       # this (batch, query head)'s q and do at query 0, lse and delta at query 0
+    q_src, do_src, lse_src, delta_src,       # this (batch, query head)'s q and do at query 0, lse and Δ at query 0
     dq_src,                                  # with ATOMIC_DQ: this (batch, query head)'s FP32 dq at query 0
     m0,                                      # first query of the tile
     keys,                                    # [BLOCK_N] key indices
@@ -263,7 +261,7 @@ def _dkdv_tile(
     do = tl.load(do_src + rows[:, None] * stride_dot + cols[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
     lse = tl.load(lse_src + rows, mask=row_ok, other=float("-inf"))                    # [BLOCK_M], natural log
     delta = tl.load(delta_src + rows, mask=row_ok, other=0.0)                          # [BLOCK_M]
-    # A row past T or a row that sees no key (lse = -inf) has P = 0: give it lse = +inf, so exp2 gives 0, not inf.
+    # A row past T or a row that sees no key (lse = -inf) has P = 0: give it lse = +inf, so exp2 gives 0, not NaN.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)      # base 2: L * log2(e)
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)                        # [BLOCK_N, BLOCK_M] = (Q K^T)^T
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])                                 # P^T rebuilt: exp(S - L)
@@ -303,14 +301,8 @@ def backward_dkdv_kernel(
     ATOMIC_DQ: tl.constexpr,                 # True: this kernel also accumulates dq (no dq kernel afterwards)
     DOT_PRECISION: tl.constexpr = "ieee",    # FP32 inputs: "ieee" is true FP32
 ):
-    """One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query that sees them.
-
-    Grouped-query attention without repeating K and V: the program visits the `group` query heads
-    of its KV head in turn, so their contributions are summed in registers, never raced in memory.
-    Causal block skipping runs backwards: key n0 is seen first by query n0 - offset, so earlier
-    query blocks are skipped; the blocks that the diagonal crosses are masked, those after it not.
-    """
-    block = tl.program_id(0)                             # which block of keys (block 0, the most work, first)
+    """One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query that sees them."""
+    block = tl.program_id(0)                             # which block of keys
     bkv = tl.program_id(1)                               # which (batch, KV head)
     b = bkv // kv_heads
     kv_h = bkv % kv_heads
@@ -323,7 +315,6 @@ def backward_dkdv_kernel(
                 mask=key_ok[:, None], other=0.0)         # [BLOCK_N, D]
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
-
     if CAUSAL:
         first = tl.maximum(block * BLOCK_N - offset, 0)  # the first query that sees key block * BLOCK_N
         start = tl.minimum((first // BLOCK_M) * BLOCK_M, T)
@@ -332,9 +323,9 @@ def backward_dkdv_kernel(
     else:
         start = 0
         unmasked_from = 0
-    for g in range(group):                               # the query heads of this KV head
+    for g in range(group):                               # the query heads of this KV head, summed in registers
         h = kv_h * group + g
-        bh = b * kv_heads * group + h                    # (batch, query head) in lse and delta
+        bh = b * kv_heads * group + h                    # (batch, query head) in lse and Δ
         q_src = q_ptr + b * stride_qb + h * stride_qh
         do_src = do_ptr + b * stride_dob + h * stride_doh
         for m0 in range(start, unmasked_from, BLOCK_M):  # on the diagonal: masked
@@ -345,15 +336,16 @@ def backward_dkdv_kernel(
             dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr + bh * T, delta_ptr + bh * T,
                                 dq_ptr + bh * T * D, m0, keys, offset, T, stride_qt, stride_dot, qk_scale, sm_scale,
                                 D, BLOCK_M, False, ATOMIC_DQ, DOT_PRECISION)
+    dk = dk * sm_scale                                   # dK = scale dS^T Q, the scale applied once
     out = bkv * S * D + keys[:, None] * D + cols[None, :]  # dk and dv are contiguous [B, Hkv, S, D]
-    tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=key_ok[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None])
 
 
 @triton.jit
 def _dq_tile(
     dq,                                      # accumulator [BLOCK_M, D], FP32
-    q, do, lse2, delta,                      # the program's q, do [BLOCK_M, D]; lse in base 2 and Δ [BLOCK_M]
+    q, do, lse2, delta,                      # the program's q, do [BLOCK_M, D]; lse in base 2 (+inf: P = 0) and Δ [BLOCK_M]
     k_src, v_src,                            # this (batch, KV head)'s K and V at key 0
     n0,                                      # first key of the tile
     q_pos,                                   # [BLOCK_M] absolute query positions
@@ -376,7 +368,8 @@ def _dq_tile(
         p = tl.where(keys[None, :] <= q_pos[:, None], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)                        # [BLOCK_M, BLOCK_N] = dO V^T
     ds = p * (dp - delta[:, None])                                                     # dS = P ∘ (dP - Δ)
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)                # dQ += dS K (scaled at the end)
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)                  # dQ += dS K (scaled at the end)
+    return dq
 
 
 @triton.jit
@@ -414,13 +407,12 @@ def backward_dq_kernel(
                 mask=row_ok[:, None], other=0.0)         # [BLOCK_M, D]
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
                  mask=row_ok[:, None], other=0.0)        # [BLOCK_M, D]
-    lse = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=float("-inf"))   # [BLOCK_M]
-    delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)         # [BLOCK_M]
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # P = 0 where no key is seen
+    lse = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=float("-inf"))       # [BLOCK_M], natural log
+    delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)             # [BLOCK_M]
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # base 2; +inf where no key is seen
     k_src = k_ptr + b * stride_kb + kv_h * stride_kh
     v_src = v_ptr + b * stride_vb + kv_h * stride_vh
     dq = tl.zeros((BLOCK_M, D), tl.float32)
-
     if CAUSAL:
         last_row = tl.minimum((block + 1) * BLOCK_M, T) - 1
         stop = tl.minimum(S, offset + last_row + 1)      # one past the last key the block's last query sees
@@ -435,7 +427,8 @@ def backward_dq_kernel(
     for n0 in range(masked_from, stop, BLOCK_N):         # on the diagonal
         dq = _dq_tile(dq, q, do, lse2, delta, k_src, v_src, n0, q_pos, S, stride_ks, stride_vs, qk_scale,
                       D, BLOCK_N, True, DOT_PRECISION)
-    tl.store(dq_ptr + bh * T * D + rows[:, None] * D + cols[None, :], (dq * sm_scale).to(dq_ptr.dtype.element_ty),
+    dq = dq * sm_scale                                   # dQ = scale dS K, the scale applied once
+    tl.store(dq_ptr + bh * T * D + rows[:, None] * D + cols[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
 
@@ -461,15 +454,9 @@ def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True
 
     Shapes as in the forward pass: q, o, do [B, Hq, T, D]; k, v [B, Hkv, S, D]; each gradient comes
     back shaped and typed like its input, dk and dv summed over the query heads that share them.
-
-    dQ comes from a kernel of its own, which walks each query block's keys as the forward pass does:
-    nothing is written twice, so dq is the same bit for bit on every run. atomic_dq=True instead adds
-    each key block's share into an FP32 dq with atomics inside the dK/dV kernel: one kernel fewer, but
-    its order of additions (so its rounding) changes from run to run, and it measured 2.2 to 2.4 times
-    slower on the H200 (bf16, causal, D = 128, T = 1k to 16k: flashcourse/measured/backward.json), the
-    atomics' traffic to dq costing more than recomputing P and dP in a second kernel.
+    atomic_dq=True adds dq inside the dK/dV kernel with atomics instead of running the dQ kernel.
     """
-    _check_inputs(q, k, v)
+    check_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if tuple(o.shape) != tuple(q.shape) or tuple(do.shape) != tuple(q.shape):
@@ -477,6 +464,9 @@ def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True
     if tuple(lse.shape) != (B, Hq, T):
         raise ValueError(f"lse must be [B, Hq, T] = {[B, Hq, T]}, got {list(lse.shape)}")
     offset = S - T if query_offset is None else int(query_offset)
+    # dkdv_grid and dq_grid: each maps the launch's configuration `meta` (meta["BLOCK_M"], meta["BLOCK_N"]) to the grid
+    dkdv_grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)  # noqa: E731  (key blocks, batch x KV head)
+    dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)     # noqa: E731  (query blocks, batch x head)
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     lse = lse.float().contiguous()
     delta = backward_delta(o, do)                                              # [B, Hq, T]
@@ -487,15 +477,13 @@ def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True
                v.stride(0), v.stride(1), v.stride(2),
                do.stride(0), do.stride(1), do.stride(2))
     scale = 1.0 / math.sqrt(D)
-    grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)  # noqa: E731  (key blocks, batch x KV head)
-    dkdv_tuned[grid](q, k, v, do, lse, delta, dk, dv, dq32, *strides, T, S, offset, Hkv, Hq // Hkv,
-                     LOG2E * scale, scale, D=D, CAUSAL=causal, ATOMIC_DQ=atomic_dq)
+    dkdv_tuned[dkdv_grid](q, k, v, do, lse, delta, dk, dv, dq32, *strides, T, S, offset, Hkv, Hq // Hkv,
+                          LOG2E * scale, scale, D=D, CAUSAL=causal, ATOMIC_DQ=atomic_dq)
     if atomic_dq:
         return dq32.to(q.dtype), dk, dv
     dq = torch.empty_like(q)                                                   # [B, Hq, T, D]
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731  (query blocks, batch x head)
-    dq_tuned[grid](q, k, v, do, lse, delta, dq, *strides, T, S, offset, Hq, Hq // Hkv,
-                   LOG2E * scale, scale, D=D, CAUSAL=causal)
+    dq_tuned[dq_grid](q, k, v, do, lse, delta, dq, *strides, T, S, offset, Hq, Hq // Hkv,
+                      LOG2E * scale, scale, D=D, CAUSAL=causal)
     return dq, dk, dv
 
 
@@ -511,6 +499,7 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        """One gradient per argument of forward: (dq, dk, dv) from the kernels, None for query_offset and causal."""
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, ctx.query_offset, ctx.causal)
         return dq, dk, dv, None, None
@@ -522,3 +511,12 @@ def flash_attention_train(q, k, v, query_offset=None, causal=True):
     q [B, Hq, T, D], k and v [B, Hkv, S, D]; query i sits at query_offset + i (default S - T).
     """
     return FlashAttention.apply(q, k, v, query_offset, causal)
+
+
+def train_step_gradients(q, k, v, do, query_offset=None):
+    """(o, dq, dk, dv): flash_attention_train's output, then the gradients of q, k and v that loss.backward()
+    gives when the loss's gradient at the output is do. The grader calls this with plain tensors."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o = flash_attention_train(*leaves, query_offset=query_offset)
+    o.backward(do)
+    return o.detach(), leaves[0].grad, leaves[1].grad, leaves[2].grad

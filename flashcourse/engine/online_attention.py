@@ -7,18 +7,8 @@ import math
 
 import torch
 
-from flashcourse.positions import positions
-
-
-def resolve_positions(q, k, query_positions=None, key_positions=None):
-    """Check Hq % Hkv == 0; return the absolute positions qp [B, T] and kp [B, S] (default: queries last)."""
-    batch, q_heads, t, _ = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    qp = positions(query_positions, batch, t, s - t, q.device)         # [B, T]
-    kp = positions(key_positions, batch, s, 0, q.device)               # [B, S]
-    return qp, kp
+# positions as shown above; resolve_positions checks Hq % Hkv and returns qp [B, T] and kp [B, S]
+from flashcourse.positions import positions, resolve_positions  # noqa: F401  (positions: for your own code)
 
 
 def causal_attention(q, k, v, query_positions=None, key_positions=None):
