@@ -211,9 +211,24 @@ def _fmt_config(text: str) -> str:
     return f"{fields.get('BLOCK_M')}x{fields.get('BLOCK_N')} w{fields.get('num_warps')} s{fields.get('num_stages')}"
 
 
+SPEED_NAMES = ("course", "SDPA flash", "SDPA cuDNN")
+
+
+def _speed_table(rows: list[dict], kind: str, extra: dict) -> list[str]:
+    """A markdown table of `kind` ("bwd" or "fwd+bwd") TFLOP/s per shape, the course's ratios to SDPA's two
+    backends, then the `extra` columns ({header: row -> text})."""
+    header = ["causal", "D", "T", *SPEED_NAMES, "course / SDPA flash", "course / cuDNN", *extra]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for r in rows:
+        cells = ["yes" if r["causal"] else "no", r["d"], r["t"], *(f"{r[f'{n} {kind}']:.1f}" for n in SPEED_NAMES),
+                 f"{r[f'course {kind}'] / r[f'SDPA flash {kind}']:.2f}",
+                 f"{r[f'course {kind}'] / r[f'SDPA cuDNN {kind}']:.2f}", *(column(r) for column in extra.values())]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
 def report(result: dict) -> str:
     """The measurements as markdown tables."""
-    names = ["course", "SDPA flash", "SDPA cuDNN"]
     lines = ["# The backward kernels (assignment 06) against SDPA", "",
              f"Measured {result['environment']}.", "",
              "bf16, Hq = 32, Hkv = 8, T = S, B x T = %d. Forward FLOPs 4 B Hq T^2 D (2 B Hq T^2 D causal); backward "
@@ -221,24 +236,13 @@ def report(result: dict) -> str:
              "from one process. Backward: torch.autograd.grad of a kept output; forward+backward: both, through "
              "autograd (the course's kernels through flash_attention_train). Errors: max |error| of dq, dk and dv "
              "over batch 0 and KV head 0 with its 4 query heads, against FP32 autograd of the naive attention." % TOKENS,
-             "", "## Backward pass (TFLOP/s)", "",
-             "| causal | D | T | B | course | SDPA flash | SDPA cuDNN | course / SDPA flash | course / cuDNN "
-             "| course error | SDPA flash error | cuDNN error | dK/dV blocks | dQ blocks |",
-             "|---" * 14 + "|"]
-    for r in result["speed"]:
-        lines.append(f"| {'yes' if r['causal'] else 'no'} | {r['d']} | {r['t']} | {r['batch']} | "
-                     + " | ".join(f"{r[n + ' bwd']:.1f}" for n in names)
-                     + f" | {r['course bwd'] / r['SDPA flash bwd']:.2f} | {r['course bwd'] / r['SDPA cuDNN bwd']:.2f} | "
-                     + " | ".join(f"{r[n + ' error']:.1e}" for n in names)
-                     + f" | {_fmt_config(r['dkdv config'])} | {_fmt_config(r['dq config'])} |")
-    lines += ["", "## Forward and backward (TFLOP/s)", "",
-              "| causal | D | T | course | SDPA flash | SDPA cuDNN | course / SDPA flash | course / cuDNN |",
-              "|---" * 8 + "|"]
-    for r in result["speed"]:
-        lines.append(f"| {'yes' if r['causal'] else 'no'} | {r['d']} | {r['t']} | "
-                     + " | ".join(f"{r[n + ' fwd+bwd']:.1f}" for n in names)
-                     + f" | {r['course fwd+bwd'] / r['SDPA flash fwd+bwd']:.2f} | "
-                       f"{r['course fwd+bwd'] / r['SDPA cuDNN fwd+bwd']:.2f} |")
+             "", "## Backward pass (TFLOP/s)", ""]
+    errors = {f"{n} error": (lambda r, n=n: f"{r[n + ' error']:.1e}") for n in SPEED_NAMES}
+    lines += _speed_table(result["speed"], "bwd", {"B": lambda r: r["batch"], **errors,
+                                                   "dK/dV blocks": lambda r: _fmt_config(r["dkdv config"]),
+                                                   "dQ blocks": lambda r: _fmt_config(r["dq config"])})
+    lines += ["", "## Forward and backward (TFLOP/s)", ""]
+    lines += _speed_table(result["speed"], "fwd+bwd", {})
     lines += ["", "## dQ: its own kernel or atomics (backward TFLOP/s, causal)", "",
               "| D | T | B | dQ kernel | atomic dQ |", "|---|---|---|---|---|"]
     lines += [f"| {r['d']} | {r['t']} | {r['batch']} | {r['dq kernel']:.1f} | {r['atomic dq']:.1f} |"
