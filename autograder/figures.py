@@ -34,6 +34,7 @@ FLASH_REPORT = "benchmarks/results/2026-11-29-h200.md"         # 04's kernel aga
 SWEEP_04 = "solutions/04_triton_flash/sweep.json"              # 04's own sweep on the GPU
 LAST_GAP = "flashcourse/measured/fast_last_gap.json"            # 05's last part: causal grid, FP8 errors, grid tail
 PROFILE = "flashcourse/measured/fast_profile.json"              # Nsight Compute at T = 1k and 16k, reduced
+RING_REPORT = "benchmarks/results/2026-11-30-h200x2-ring.md"   # 07's ring on two H200s (bench_ring)
 LPT_GROUPS = "flashcourse/measured/fast_lpt_groups.json"        # longest first in L2-sized head groups
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -187,6 +188,16 @@ def _groups_over_fast(data) -> list[float]:
     return [max(r["LPT, L2 groups"], r["persistent LPT, L2 groups"]) / r["fast_attention"] for r in data["lpt_groups"]]
 
 
+
+def _ring(report: Report, t: int, what: str, column: str) -> float:
+    """A cell of 07's two-GPU table, as a number: the row of `what` at T = t."""
+    return float(next(r[column] for r in report.tables[0] if int(r["T"]) == t and r["what"] == what))
+
+
+def _ring_column(report: Report, column: str) -> list[float]:
+    """A column of 07's headline table (one row per T), as numbers."""
+    return [float(r[column]) for r in report.tables[1]]
+
 _GAUSS, _OUTLIERS = "N(0, 1)", "N(0, 1) + outliers"
 _BF16_D128 = dict(dtype="bf16", d=128, q_heads=32, kv_heads=32)
 _T8K_CAUSAL = dict(_BF16_D128, causal=True, t=8192)
@@ -314,6 +325,25 @@ FIGURES: dict[str, Figure] = {
     "memory03.causal_16k_predicted": Figure(SOLUTION_03, lambda out: 16 * _memory_peaks(out, 4096)[0]),
     "memory03.causal_16k_predicted_gib": Figure(SOLUTION_03, lambda out: 16 * _memory_peaks(out, 4096)[0] / 1024, 1),
     "memory03.online_16k_predicted": Figure(SOLUTION_03, lambda out: 4 * _memory_peaks(out, 4096)[1]),
+    # 07, the ring on two H200s beside one GPU and torch's context_parallel (bf16 causal, Hq 32 / Hkv 8, D = 128)
+    "ring.one_gpu_ms_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "course kernel, 1 GPU", "ms")),
+    "ring.ms_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 1),
+    "ring.speedup_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, zigzag, overlapped", "speed-up over 1 GPU"), 2),
+    "ring.speedup_256k": Figure(RING_REPORT, lambda r: _ring(r, 262144, "ring, zigzag, overlapped", "speed-up over 1 GPU"), 2),
+    "ring.tflops_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, zigzag, overlapped", "TFLOP/s per GPU")),
+    "ring.cp_cudnn_ms_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "context_parallel, SDPA cuDNN", "ms"), 1),
+    "ring.cp_cudnn_tflops_128k": Figure(
+        RING_REPORT, lambda r: _ring(r, 131072, "context_parallel, SDPA cuDNN", "TFLOP/s per GPU")),
+    "ring.of_cp_min": Figure(RING_REPORT, lambda r: min(_ring_column(r, "ring / context_parallel speed")), 2),
+    "ring.of_cp_max": Figure(RING_REPORT, lambda r: max(_ring_column(r, "ring / context_parallel speed")), 2),
+    "ring.over_cp_flash_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "context_parallel, SDPA flash", "ms")
+                                      / _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 2),
+    "ring.contiguous_over_zigzag_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, contiguous, overlapped", "ms")
+                                               / _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 2),
+    "ring.overlap_gain_64k_pct": Figure(RING_REPORT, lambda r: 100 * (_ring(r, 65536, "ring, zigzag, not overlapped", "ms")
+                                                                      / _ring(r, 65536, "ring, zigzag, overlapped", "ms") - 1), 1),
+    "ring.max_diff": Figure(RING_REPORT, lambda r: max(float(row["max abs diff"]) for row in r.tables[0]
+                                                       if row["what"].startswith("ring")), 5),
 }
 
 

@@ -100,6 +100,31 @@ def test_engine_ring_attention_on_a_subgroup():
     torch.testing.assert_close(got.double(), reference.attention(case.q, case.k, case.v), rtol=1e-4, atol=1e-4)
 
 
+def test_position_runs():
+    """A zigzag shard is two runs of consecutive positions (one when its chunks meet), a contiguous shard one."""
+    assert engine.position_runs(rc.layout_positions(13, 0, 2, "zigzag")) == [(0, 0, 4), (4, 10, 3)]
+    assert engine.position_runs(rc.layout_positions(13, 1, 2, "zigzag")) == [(0, 4, 6)]
+    assert engine.position_runs(rc.layout_positions(12, 0, 1, "zigzag")) == [(0, 0, 12)]
+    assert engine.position_runs(rc.layout_positions(10, 2, 3, "contiguous")) == [(0, 7, 3)]
+
+
+def test_kernel_step_equals_the_pytorch_step():
+    """shard_attention_kernel (06's Triton kernel on each pair of runs, here under the interpreter) gives the
+    (o, lse) of shard_attention's PyTorch path for every pair of shards of P = 3 (T = 37: uneven chunks), both
+    layouts, causal: runs before, overlapping and after the queries; and one pair without the mask."""
+    case = ac.make_case("GQA 4 : 2, T = 37", batch=1, q_heads=4, kv_heads=2, t=37, d=16, seed=6)
+    pairs = [(layout, rank, owner, True) for layout in rc.LAYOUTS for rank in range(3) for owner in range(3)]
+    for layout, rank, owner, causal in pairs + [("zigzag", 0, 2, False)]:
+        qp, kp = (rc.layout_positions(37, r, 3, layout) for r in (rank, owner))
+        q = rc.shard(case.q, rank, 3, layout)
+        k, v = (rc.shard(x, owner, 3, layout) for x in (case.k, case.v))
+        want = engine.shard_attention(q, k, v, qp, kp, causal)
+        got = engine.shard_attention_kernel(q, k, v, qp, kp, causal)
+        where = f"{layout}, queries of rank {rank}, keys of rank {owner}, causal={causal}"
+        for name, g, w in zip(("o", "lse"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{where}: {name}: {m}")
+
+
 def test_layouts_and_zigzag_helpers():
     """The checks' own layouts: zigzag rank r holds chunks r and 2P - 1 - r; unshard inverts shard; the engine agrees."""
     assert rc.layout_positions(12, 0, 3, "zigzag").tolist() == [0, 1, 10, 11]
@@ -226,3 +251,39 @@ def test_a_ring_runs_inside_the_grading_jail():
         assert session.anomalies == []
     finally:
         session.close()
+
+
+def gathering_ring(q, k, v, group=None, causal=True, layout="zigzag"):
+    """A ring that keeps every K/V shard it receives and attends once they are all there: exact, O(T) per rank."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    length = torch.tensor([q.shape[2]])
+    dist.all_reduce(length, group=group)
+    positions = [engine.shard_positions(int(length), r, world_size, layout) for r in range(world_size)]
+    held = [(k, v)]
+    for step in range(1, world_size):
+        incoming = positions[(rank - step) % world_size].numel()
+        next_k, next_v = (x.new_empty(*x.shape[:2], incoming, x.shape[3]) for x in (k, v))
+        for transfer in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, held[-1][0], (rank + 1) % world_size, group),
+                dist.P2POp(dist.isend, held[-1][1], (rank + 1) % world_size, group),
+                dist.P2POp(dist.irecv, next_k, (rank - 1) % world_size, group),
+                dist.P2POp(dist.irecv, next_v, (rank - 1) % world_size, group)]):
+            transfer.wait()
+        held.append((next_k, next_v))
+    o = torch.zeros(*q.shape[:3], v.shape[-1])
+    lse = torch.full(q.shape[:3], float("-inf"))
+    for step, (held_k, held_v) in enumerate(held):
+        part = engine.shard_attention(q, held_k, held_v, positions[rank], positions[(rank - step) % world_size], causal)
+        o, lse = engine.merge_lse(o, lse, *part)
+    return o.to(q.dtype)
+
+
+@pytest.mark.slow
+def test_memory_check_passes_a_ring_and_fails_a_gathering_rank():
+    """The hidden memory check, measured from /proc outside the ranks: the engine's ring passes (its peak about
+    halves from P = 4 to P = 8), a rank that keeps every shard fails with the reason; both are exact."""
+    from autograder.hidden import ring_attention as hidden
+
+    hidden.test_ring_memory(engine.ring_attention)
+    with pytest.raises(AssertionError, match="keeps every shard it receives"):
+        hidden.test_ring_memory(gathering_ring)
