@@ -1,0 +1,53 @@
+"""The synthetic class the grader is timed on (autograder/classroom.py): every sample handed in, cheats
+among them, and what each learner's notebook should score."""
+
+import nbformat
+
+from autograder import classroom
+from conftest import expected_scores
+
+
+def test_every_sample_of_every_assignment_is_handed_in(tmp_path):
+    """A class as large as the most samples of one assignment hands in each sample at least once."""
+    samples = classroom.samples()
+    learners = max(len(students) for students in samples.values())
+    written = classroom.build(learners, tmp_path)
+    assert written == learners * len(samples) == len(list(tmp_path.glob("*/*/*.ipynb")))
+    handed_in = {(a, source) for (_, a), source in classroom.plan(learners).items()}
+    for assignment, students in samples.items():
+        missing = {s for s in students if (assignment, s) not in handed_in}
+        # only 01's samples make way for the cheats, one learner in ten
+        assert not missing or (assignment == classroom.HOSTILE_BASE[1] and len(missing) <= learners // 10), missing
+
+
+def test_cheats_are_valid_notebooks_that_cheat_after_tile_update(tmp_path):
+    """Each cheat is handed in once in a class of 30: the buggy 01 sample with the cheat's cell right after
+    its tile_update, a valid notebook, expected to score no more than the buggy sample."""
+    plan = classroom.plan(30)
+    cheats = {source: key for key, source in plan.items() if source in classroom.CHEATS}
+    assert set(cheats) == set(classroom.CHEATS)
+    classroom.build(30, tmp_path)
+    limits = classroom.expected_at_most(30)
+    buggy = expected_scores()[classroom.HOSTILE_BASE[1]][classroom.HOSTILE_BASE[0]]
+    for cheat, (learner, assignment) in cheats.items():
+        path = tmp_path / learner / assignment / f"{assignment}.ipynb"
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        ids = [c.metadata.get("nbgrader", {}).get("grade_id") for c in nb.cells]
+        at = next(i for i, c in enumerate(nb.cells) if c.source == classroom.CHEATS[cheat])
+        assert ids[at - 1] == "tile_update"
+        assert limits[learner, assignment] == buggy
+
+
+def test_honest_learners_expect_their_samples_scores():
+    """A learner who hands in a sample is expected to score exactly that sample's expected points."""
+    expected, limits = expected_scores(), classroom.expected_at_most(12)
+    for (learner, assignment), source in classroom.plan(12).items():
+        if source not in classroom.CHEATS:
+            assert limits[learner, assignment] == expected[assignment][source]
+
+
+def test_the_command_line_says_how_to_use_it(capsys):
+    """Without N and OUTDIR it prints its usage and exits 2."""
+    assert classroom.main([]) == 2
+    assert "python -m autograder.classroom N OUTDIR" in capsys.readouterr().err
