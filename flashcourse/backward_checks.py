@@ -137,10 +137,12 @@ def reference_gradients(case: Case, do: torch.Tensor) -> tuple[torch.Tensor, tor
     return dq, dk, dv
 
 
-def backward_variant(case: Case, do: torch.Tensor, bug: str | None = None):
+def backward_variant(case: Case, do: torch.Tensor, bug: str | None = None, kv_dropped: torch.Tensor | None = None):
     """float64 (dq, dk, dv) from the backward formulas, with one of BACKWARD_BUGS injected (or none).
 
     The forward is always the correct one (o and lse exact): only the backward pass goes wrong.
+    kv_dropped ([B, 1, T, S] booleans) leaves those (query, key) pairs out of dK and dV only, as a dK/dV
+    kernel whose loop skips some queries does.
     """
     if bug is not None and bug not in BACKWARD_BUGS:
         raise ValueError(f"unknown backward bug {bug!r}; choose one of {tuple(BACKWARD_BUGS)}")
@@ -174,6 +176,8 @@ def backward_variant(case: Case, do: torch.Tensor, bug: str | None = None):
                "dq_dk_scale_twice": scale**2}.get(bug, scale)
     heads = torch.arange(hq) // group
     dq = q_scale * ds @ k[:, heads]                                   # [B, Hq, T, D]
+    if kv_dropped is not None:
+        p, ds = p.masked_fill(kv_dropped, 0.0), ds.masked_fill(kv_dropped, 0.0)
     dk_heads = (k_scale * ds.transpose(-2, -1) @ q).reshape(b, hkv, group, s, d)
     dv_heads = (p.transpose(-2, -1) @ do).reshape(b, hkv, group, s, -1)
     if bug == "gqa_last_head":
@@ -391,30 +395,15 @@ def dkdv_start_variant(case: Case, do: torch.Tensor, block_m: int, block_n: int,
     offsets = _offsets(case)
     if offsets is None:
         return None
-    cpu = case.to("cpu")
-    q, k = cpu.q.double(), cpu.k.double()
-    b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    group = hq // hkv
-    scale = 1.0 / math.sqrt(d)
-    scores, v, mask = ac._scores_and_mask(cpu)                                     # [B, Hq, T, S], [B, 1, T, S]
-    do = do.detach().cpu().double()
-    o, lse = reference_forward(cpu)
-    seen = torch.isfinite(lse)[..., None]
-    p = torch.exp(scores - torch.where(seen, lse[..., None], 0.0)).masked_fill(~mask, 0.0) * seen
-    ds = p * (do @ v.transpose(-2, -1) - (do * o).sum(-1, keepdim=True))           # [B, Hq, T, S]
+    t, s = case.q.shape[2], case.k.shape[2]
     first = ((torch.arange(s) // block_n * block_n)[None, :] - offsets[:, None]).clamp(min=0)   # [B, S]
     late = (first + block_m - 1) // block_m * block_m if rounded_up else (first // block_m + 1) * block_m
     rows = torch.arange(t)[None, :, None]                                           # [1, T, 1]
     dropped = ((rows >= first[:, None, :]) & (rows < late[:, None, :]))[:, None]    # [B, 1, T, S]
+    _, _, mask = ac._scores_and_mask(case.to("cpu"))
     if not bool((dropped & mask).any()):
         return None
-    kept_p, kept_ds = p.masked_fill(dropped, 0.0), ds.masked_fill(dropped, 0.0)
-    heads = torch.arange(hq) // group
-    dq = scale * ds @ k[:, heads]
-    dk = (scale * kept_ds.transpose(-2, -1) @ q).reshape(b, hkv, group, s, d).sum(2)
-    dv = (kept_p.transpose(-2, -1) @ do).reshape(b, hkv, group, s, -1).sum(2)
-    return dq, dk, dv
+    return backward_variant(case, do, kv_dropped=dropped)
 
 
 def _start_late_blocks(got, case: Case, do: torch.Tensor, rtol: float, atol: float) -> tuple[int, int] | None:
