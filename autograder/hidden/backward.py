@@ -12,7 +12,8 @@ dimension 64, four times longer sequences, true FP32 products through the kernel
 so the float32 tolerances hold everywhere and a failure is a mistake, not rounding. How close bf16 gets is
 measured by tests/test_backward_kernel_gpu.py, not graded.
 Every length is odd, so no block size divides it and each (batch, head) ends in a padded block; there are
-always several heads, so rows past T that leaked into the next head's Δ or dK/dV would show. Under the
+always several heads, so rows past T that leak into the next head's Δ or dK/dV can show. (An unmasked store
+of Δ is caught only when the program order leaves its padding in place; it also writes past the end of Δ.) Under the
 interpreter programs run one after another, so a dQ race cannot show here: tests/test_backward_kernel_gpu.py
 runs the compiled backward many times on a shape with many key blocks.
 
