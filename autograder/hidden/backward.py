@@ -10,12 +10,12 @@ relative and absolute) against torch.autograd through the float64 reference; eve
 The Triton checks run in float32, under the interpreter on a CPU (small shapes) or compiled on a GPU (head
 dimension 64, four times longer sequences, true FP32 products through the kernels' input_precision="ieee"),
 so the float32 tolerances hold everywhere and a failure is a mistake, not rounding. How close bf16 gets is
-measured by tests/test_backward_kernel_gpu.py, not graded.
-Every length is odd, so no block size divides it and each (batch, head) ends in a padded block; there are
-always several heads, so rows past T that leak into the next head's Δ or dK/dV can show. (An unmasked store
-of Δ is caught only when the program order leaves its padding in place; it also writes past the end of Δ.) Under the
-interpreter programs run one after another, so a dQ race cannot show here: tests/test_backward_kernel_gpu.py
-runs the compiled backward many times on a shape with many key blocks.
+measured by tests/test_backward_kernel_gpu.py, not graded. No length is a multiple of a block size, so each
+(batch, head) ends in a padded block, and there are always several heads, so rows past T that leak into the
+next head's Δ or dK/dV can show. An unmasked store of Δ is caught only when the program order leaves its
+padding in place (it also writes past the end of Δ). Under the interpreter programs run one after another,
+so a dQ race cannot show on a CPU; compiled, test_flash_attention_backward also runs a case of 64 queries
+over 4096 keys five times, where many programs would add into the same rows of dQ at once.
 
 Memory has no hidden check: the visible one of its cell, measured from outside on a case scaled up
 until one [T, S] matrix takes 1 GiB, is as strong as a check can be, and a second such probe would
