@@ -10,8 +10,8 @@ relative and absolute) against torch.autograd through the float64 reference; eve
 The Triton checks run in float32, under the interpreter on a CPU (small shapes) or compiled on a GPU (head
 dimension 64, four times longer sequences, true FP32 products through the kernels' input_precision="ieee"),
 so the float32 tolerances hold everywhere and a failure is a mistake, not rounding. How close bf16 gets is
-measured by tests/test_backward_kernel_gpu.py, not graded. No length is a multiple of a block size, so each
-(batch, head) ends in a padded block, and there are always several heads, so rows past T that leak into the
+measured by tests/test_backward_kernel_gpu.py, not graded. Most lengths are multiples of no block size, so
+a (batch, head) ends in a padded block, and there are always several heads, so rows past T that leak into the
 next head's Δ or dK/dV can show. An unmasked store of Δ is caught only when the program order leaves its
 padding in place (it also writes past the end of Δ). Under the interpreter programs run one after another,
 so a dQ race cannot show on a CPU; compiled, test_flash_attention_backward also runs a case of 64 queries
