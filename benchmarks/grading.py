@@ -4,7 +4,7 @@
 
 SUBMISSIONS is laid out as for `python -m autograder grade` (a class from `python -m autograder.classroom`,
 or autograder/samples/submitted). The notebooks are graded by grade.grade, jail on, exactly as the
-command line grades them; each call of grade.grade_one is timed from outside. The load averages
+command line grades them; each call of grade.grade_one is timed from outside and printed as it ends. The load averages
 (/proc/loadavg) are read before and after: on a shared machine they say how much of the wall time
 was someone else's. With --class-of N, SUBMISSIONS is taken to be `python -m autograder.classroom N`'s
 class, and every learner's points are compared with the sample they handed in (a cheat's with the
@@ -48,6 +48,7 @@ def main() -> int:
             return grade_one(student, assignment, *rest)
         finally:
             seconds[student, assignment] = time.monotonic() - start
+            print(f"{assignment:<22} {student:<28} {seconds[student, assignment]:7.2f} s", flush=True)
 
     grade.grade_one = timed
     before, start = load(), time.monotonic()
@@ -55,9 +56,8 @@ def main() -> int:
     total, after = time.monotonic() - start, load()
 
     by_assignment: dict[str, list[float]] = defaultdict(list)
-    for (student, assignment), spent in sorted(seconds.items(), key=lambda item: item[0][::-1]):
+    for (_, assignment), spent in seconds.items():
         by_assignment[assignment].append(spent)
-        print(f"{assignment:<22} {student:<28} {spent:7.2f} s")
     print(f"\n{'assignment':<22} {'notebooks':>9} {'mean s':>8} {'max s':>8}")
     for assignment, spent in sorted(by_assignment.items()):
         print(f"{assignment:<22} {len(spent):>9} {sum(spent) / len(spent):8.2f} {max(spent):8.2f}")
