@@ -9,8 +9,8 @@ On the worker, `grade_on_worker` writes both into a scratch folder of its own an
 grade.grade_one there, in the worker's own jail, then returns the Outcome with the autograded and
 feedback files as bytes, which the instructor's side writes into the one output folder. A worker
 that cannot build a jail refuses every task with the reason (unless the instructor passed
---trusted), and so does a worker whose course differs from the instructor's as the notebook is sent
-(other hidden checks would give other grades).
+--trusted), and so does a remote worker whose course differs from the instructor's as the notebook
+is sent (other hidden checks would give other grades).
 
 A worker that dies mid-notebook has its task run again on another worker once: the scheduler allows
 ALLOWED_FAILURES deaths per task (its own setting: `local` sets it, a remote scheduler must be started
@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -32,7 +34,8 @@ from .grade import MAX_NOTEBOOK_BYTES, Outcome, grade_one, read_submission, zero
 ALLOWED_FAILURES = 1                # worker deaths a task survives: one retry on another worker
 MAX_RESULT_BYTES = 4 * MAX_NOTEBOOK_BYTES   # the autograded and feedback files of one notebook, together
 IN_FLIGHT_PER_THREAD = 2            # notebooks sent ahead per worker thread: the rest wait on the instructor's side
-WORKER_WAIT_S = 120                 # how long grading waits for a first worker before giving up
+WORKER_WAIT_S = 120                 # how long grading waits, with no worker at all, before giving up
+WATCH_EVERY_S = 2                   # how often the scheduler is asked whether any worker is left
 RESULT_KINDS = ("autograded", "feedback")
 # What decides a grade on the worker's side: if any of it differs from the instructor's, grades would too.
 GRADING_CODE = ("nbgrader_config.py", "autograder/*.py", "autograder/hidden/**/*.py", "flashcourse/**/*.py")
@@ -61,17 +64,18 @@ def _worker_name() -> str:
 
 def grade_on_worker(student: str, assignment: str, notebook: bytes, template: bytes,
                     questions: list[tuple[str, str, float]], cell_timeout: int | None, trusted: bool,
-                    digest: dict[str, str]) -> tuple[Outcome, dict[str, bytes], str | None]:
+                    digest: dict[str, str] | None) -> tuple[Outcome, dict[str, bytes], str | None]:
     """Runs on a worker: grade one notebook in a scratch folder; (outcome, result files by path, why unjailed).
 
-    The files are keyed "<kind>/<path inside the student's folder>"; they are left out, with an
-    anomaly, when together they exceed MAX_RESULT_BYTES. The last item is why this worker had no jail
-    when it graded as --trusted, else None.
+    `digest` is the instructor's course_digest(), None where the worker reads the instructor's own files
+    (a local cluster). The files are keyed "<kind>/<path inside the student's folder>"; they are left
+    out, with an anomaly, when together they exceed MAX_RESULT_BYTES. The last item is why this
+    worker had no jail when it graded as --trusted, else None.
     """
     from distributed import get_worker
 
     where = _worker_name()
-    differ = _differences(digest, course_digest())
+    differ = _differences(digest, course_digest()) if digest is not None else []
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         return zeros(student, assignment, questions, f"not graded: worker {where} has another version of the course "
@@ -128,17 +132,31 @@ def _client(scheduler: str, jobs: int):
     return Client(cluster, set_as_default=False)
 
 
+def _cancel_when_no_worker(client, futures: dict, stop: threading.Event) -> None:
+    """Cancel every unfinished future once the scheduler has had no worker for WORKER_WAIT_S, until `stop`."""
+    alone_since = None
+    while not stop.wait(WATCH_EVERY_S):
+        if client.nthreads():
+            alone_since = None
+        elif alone_since is None:
+            alone_since = time.monotonic()
+        elif time.monotonic() - alone_since > WORKER_WAIT_S:
+            client.cancel([f for f in list(futures.values()) if not f.done()], reason="no worker left")
+
+
 def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], templates: dict[str, Path],
                      asked: dict[str, list[tuple[str, str, float]]], out: Path, jobs: int,
                      cell_timeout: int | None, trusted: bool) -> Iterator[tuple[Outcome, str | None]]:
     """Grade each (student, assignment, notebook) of `todo` on the cluster; yield (outcome, why a worker had no jail).
 
     Results are written into `out` as they arrive. Notebooks are read here and sent a few at a time,
-    so that a large class does not sit in memory at once.
+    so that a large class does not sit in memory at once. Once no worker has been left for
+    WORKER_WAIT_S, the notebooks not graded yet are reported rather than waited for.
     """
     from distributed import KilledWorker, as_completed
+    from distributed.client import FutureCancelledError
 
-    client = _client(scheduler, jobs)
+    client, stop = _client(scheduler, jobs), threading.Event()
     try:
         try:
             client.wait_for_workers(1, timeout=WORKER_WAIT_S)
@@ -147,9 +165,11 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
                             f"start some (see the README)") from None
         # Sent with every task rather than scattered once: data held by a worker dies with it, a task's own doesn't.
         gradebooks = {assignment: path.read_bytes() for assignment, path in templates.items()}
+        remote = scheduler != "local"  # a local cluster's workers read these very files: nothing to compare
         pending = iter(todo)
         running = as_completed(loop=client.loop)
-        tasks = {}
+        tasks, futures = {}, {}
+        threading.Thread(target=_cancel_when_no_worker, args=(client, futures, stop), daemon=True).start()
 
         def send() -> Iterator[tuple[Outcome, str | None]]:
             """Submit notebooks until each worker thread has a few; yield the outcome of those that cannot be read."""
@@ -166,26 +186,33 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
                     yield zeros(student, assignment, asked[assignment], f"the notebook was not graded: {reason}"), None
                     continue
                 future = client.submit(grade_on_worker, student, assignment, submitted, gradebooks[assignment],
-                                       asked[assignment], cell_timeout, trusted, course_digest(), pure=False, retries=1,
+                                       asked[assignment], cell_timeout, trusted, course_digest() if remote else None,
+                                       pure=False, retries=1,
                                        key=f"grade-{student}-{assignment}-{uuid.uuid4().hex[:8]}")
                 tasks[future.key] = (student, assignment)
+                futures[future.key] = future
                 running.add(future)
 
         yield from send()
         for future in running:
             student, assignment = tasks.pop(future.key)
+            futures.pop(future.key)
             try:
                 outcome, files, unjailed = future.result()
                 write_results(out, student, assignment, files)
             except KilledWorker:
                 outcome, unjailed = zeros(student, assignment, asked[assignment],
                                           f"not graded: the worker grading it died, {ALLOWED_FAILURES + 1} times"), None
+            except FutureCancelledError:
+                outcome, unjailed = zeros(student, assignment, asked[assignment],
+                                          f"not graded: no Dask worker was left for {WORKER_WAIT_S} s"), None
             except Exception as error:  # a grader fault must not lose the other students' grades
                 outcome, unjailed = zeros(student, assignment, asked[assignment], f"grader error: {error}"), None
             future.release()
             yield outcome, unjailed
             yield from send()
     finally:
+        stop.set()
         cluster = client.cluster
         client.close()
         if cluster is not None:

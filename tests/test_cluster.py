@@ -168,6 +168,19 @@ def test_notebook_whose_workers_all_die_is_reported(tmp_path):
     assert len(rows) == len(outcome.scores) and all(row.startswith(f"{student},") for row in rows)
 
 
+def test_notebooks_are_reported_when_no_worker_is_left(tmp_path, monkeypatch):
+    """The only worker dies mid-notebook: once no worker has been left for WORKER_WAIT_S, the student is reported."""
+    monkeypatch.setattr(cluster, "WORKER_WAIT_S", 5)
+    submissions = _submissions(tmp_path / "submitted", ["blank"])
+    with dask_cluster(tmp_path / "cluster", ["w1"]) as (address, workers):
+        thread, result = _grade_in_background(submissions, tmp_path / "grades", address)
+        _kill_when_grading(address, workers, spare=set())
+        thread.join(timeout=120)
+    [outcome] = result["outcomes"]
+    assert outcome.problem == "not graded: no Dask worker was left for 5 s"
+    assert outcome.scores and not any(s.points for s in outcome.scores)
+
+
 @pytest.fixture(scope="module")
 def jailless_worker(tmp_path_factory):
     """A cluster of one worker, w1, that cannot build a jail: bubblewrap is not on its PATH. The scheduler's address."""
