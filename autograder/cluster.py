@@ -42,7 +42,7 @@ GRADING_CODE = ("nbgrader_config.py", "autograder/*.py", "autograder/hidden/**/*
 
 
 class NoWorkers(RuntimeError):
-    """The scheduler has no worker to grade on."""
+    """The scheduler cannot be reached, or has no worker to grade on."""
 
 
 def course_digest() -> dict[str, str]:
@@ -125,7 +125,10 @@ def _client(scheduler: str, jobs: int):
     from distributed import Client, LocalCluster
 
     if scheduler != "local":
-        return Client(scheduler)
+        try:
+            return Client(scheduler)
+        except OSError as error:
+            raise NoWorkers(f"the Dask scheduler at {scheduler} cannot be reached: {error}") from None
     with dask.config.set({"distributed.scheduler.allowed-failures": ALLOWED_FAILURES}):
         cluster = LocalCluster(n_workers=max(1, jobs), threads_per_worker=1, processes=True,
                                dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR)  # any free port

@@ -181,6 +181,17 @@ def test_notebooks_are_reported_when_no_worker_is_left(tmp_path, monkeypatch):
     assert outcome.scores and not any(s.points for s in outcome.scores)
 
 
+def test_unreachable_scheduler_stops_grading(tmp_path):
+    """A scheduler that cannot be reached stops the batch before any notebook, with the reason."""
+    import dask
+    import distributed  # noqa: F401  its configuration's defaults first: set() restores only what existed before
+
+    submissions = _submissions(tmp_path / "submitted", ["blank"])
+    with dask.config.set({"distributed.comm.timeouts.connect": "2s"}), \
+            pytest.raises(cluster.NoWorkers, match="the Dask scheduler at tcp://127.0.0.1:9 cannot be reached"):
+        grade.grade(submissions, tmp_path / "grades", progress=False, scheduler="tcp://127.0.0.1:9")
+
+
 @pytest.fixture(scope="module")
 def jailless_worker(tmp_path_factory):
     """A cluster of one worker, w1, that cannot build a jail: bubblewrap is not on its PATH. The scheduler's address."""
