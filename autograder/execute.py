@@ -237,11 +237,6 @@ class Remote:
                               "earlier cells keep")
         return self.session.call(self.name, args, kwargs, address_space=kernel.start_size + allowance)
 
-    def process_id(self) -> int:
-        """The pid, as the grader sees it, of the jailed process that runs the function: the ranks that
-        call_on_ranks starts are its children, whose memory the grader can read from outside."""
-        return self.session.kernel_now().pid
-
     def call_on_ranks(self, rank_args, *, backend: str = "gloo", timeout_s: float = 60.0, **kwargs):
         """flashcourse.distributed.call_on_ranks for the learner's function: the process group is started in
         the jail, rank r calls it with rank_args[r] and **kwargs; the ranks' answers, in rank order."""

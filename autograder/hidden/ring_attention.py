@@ -3,19 +3,13 @@
 Rings run on real process groups (flashcourse.distributed, gloo), in the jail when grading, with a
 timeout per group (flashcourse.ring_checks.RING_TIMEOUT_S) so a deadlocked ring fails instead of
 hanging. Outputs are compared with the float64 reference at flashcourse.attention_checks.TOLERANCES
-(float32: 1e-4); merges at ring_checks.MERGE_TOL (1e-4). Every case is seeded. The memory check reads
-each rank's peak resident memory from /proc, outside the ranks (rank_peaks).
+(float32: 1e-4); merges at ring_checks.MERGE_TOL (1e-4). Every case is seeded.
 """
 
 import math
-import os
-import threading
-import time
-from pathlib import Path
 
 import torch
 
-from autograder import jail
 from flashcourse import attention_checks as ac
 from flashcourse import ring_checks as rc
 
@@ -81,92 +75,3 @@ def test_ring_attention_odd(ring_attention) -> None:
     rc.check_ring_attention(ring_attention, [uneven], world_sizes=(3,), layouts=("zigzag",), causal_options=(True,))
     mqa = ac.make_case("MQA 3 : 1, T = 30", batch=1, q_heads=3, kv_heads=1, t=30, d=16, seed=113)
     rc.check_ring_attention(ring_attention, [mqa], world_sizes=(3,), causal_options=(True,))
-
-
-# --- memory per rank: a ring holds O(T / P), a rank that gathers every K/V shard holds O(T) -------------
-
-MEMORY_CASE = dict(batch=1, q_heads=1, kv_heads=1, t=512, d=32768)    # K/V shards of 8 MiB (P = 8), 16 MiB (P = 4)
-MEMORY_WORLD_SIZES = (4, 8)
-MEMORY_RATIO = 0.7      # peak at P = 8 over peak at P = 4: about 0.5 for a ring, above 0.8 for a gathering rank
-MEMORY_TIMEOUT_S = 120.0     # a correct ring of this size takes up to about 30 s on two busy cores
-SAMPLE_EVERY_S = 0.002
-RESCAN_EVERY_S = 0.05
-
-
-def _status_bytes(pid: int, field: str) -> int:
-    """A size field of /proc/pid/status (VmRSS, VmHWM) in bytes; 0 once the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def rank_peaks(root_pid: int, call):
-    """(call(), {pid: bytes}): for every process below root_pid while call runs, how far its peak resident
-    memory (the kernel's VmHWM) rose above its resident memory when first seen. Read from /proc, outside the
-    processes: the ranks' own code cannot change it."""
-    first, peaks, stop = {}, {}, threading.Event()
-
-    def sample():
-        ranks, scanned = [], 0.0
-        while not stop.is_set():
-            if time.monotonic() - scanned > RESCAN_EVERY_S:
-                ranks, scanned = jail.descendants(root_pid), time.monotonic()
-            for pid in ranks:
-                peak = _status_bytes(pid, "VmHWM")
-                if peak:
-                    first.setdefault(pid, _status_bytes(pid, "VmRSS"))
-                    peaks[pid] = max(peaks.get(pid, 0), peak)
-            stop.wait(SAMPLE_EVERY_S)
-
-    watcher = threading.Thread(target=sample, daemon=True)
-    watcher.start()
-    try:
-        result = call()
-    finally:
-        stop.set()
-        watcher.join()
-    return result, {pid: peaks[pid] - first[pid] for pid in peaks}
-
-
-def _largest_rank_peak(ring_attention, case, world_size: int):
-    """(the ranks' outputs, the largest rise of a rank's peak memory in bytes) of one ring on world_size ranks."""
-    root = ring_attention.process_id() if hasattr(ring_attention, "process_id") else os.getpid()
-    outputs, peaks = rank_peaks(root, lambda: rc.run_ring(ring_attention, case.q, case.k, case.v, world_size,
-                                                          timeout_s=MEMORY_TIMEOUT_S))
-    assert len(peaks) >= world_size, f"P = {world_size}: the ranks' memory could not be read ({len(peaks)} seen)"
-    return outputs, max(peaks.values())
-
-
-def test_ring_memory(ring_attention) -> None:
-    """Per rank, the memory a ring's data takes scales with T / P: doubling P (4 -> 8) at the same T roughly
-    halves it. A rank that collects every K/V shard before attending holds all of K and V whatever P, and its
-    memory barely drops. Measured from outside the ranks; what a rank takes with almost no data (the same
-    ring on a tiny case, same P: the process, gloo) is subtracted first. The output must be attention."""
-    case = ac.make_case("memory, MHA, D = 32768, T = 512", seed=120, **MEMORY_CASE)
-    tiny = ac.make_case("memory, tiny", batch=1, q_heads=1, kv_heads=1, t=64, d=16, seed=122)
-    rows = torch.randperm(case.q.shape[2], generator=torch.Generator().manual_seed(121))[:16]
-    want, _ = rc.partial_attention(case.q[:, :, rows], case.k, case.v, rows, torch.arange(case.k.shape[2]))
-    held = {}
-    for world_size in MEMORY_WORLD_SIZES:
-        _, process_bytes = _largest_rank_peak(ring_attention, tiny, world_size)
-        outputs, peak = _largest_rank_peak(ring_attention, case, world_size)
-        got = rc.unshard(outputs, "zigzag")[:, :, rows].double()
-        rtol, atol = ac.tolerance(case.q.dtype)
-        assert torch.allclose(got, want, rtol=rtol, atol=atol), (
-            f"{case.name}, P = {world_size}: rows {rows.tolist()} of the output are not attention (graded in the "
-            "cells above), so its memory earns nothing")
-        held[world_size] = max(peak - process_bytes, 1)
-    small, large = MEMORY_WORLD_SIZES
-    shard_mib = case.k.numel() * 4 / large / 2**20
-    ratio = held[large] / held[small]
-    assert ratio < MEMORY_RATIO, (
-        f"{case.name}: beyond what a rank takes with almost no data, a rank's peak memory rose by "
-        f"{held[small] / 2**20:.0f} MiB with P = {small} and {held[large] / 2**20:.0f} MiB with P = {large} "
-        f"({ratio:.2f} times; a ring's is about 0.5 times, below {MEMORY_RATIO}). A ring holds its own K/V shard "
-        f"and the one arriving ({shard_mib:.0f} MiB each for K and V with P = {large}), so its memory halves "
-        "when P doubles; a rank that keeps every shard it receives, or gathers K and V, holds all of K and V "
-        "whatever P. Attend to the held shard, then let it go.")
