@@ -130,6 +130,19 @@ def test_lse_shape_checked():
         bw.flash_attention_backward(q, k, v, o, lse[..., None], do)
 
 
+def test_float32_takes_the_smallest_configuration():
+    """Both autotuned kernels prune FP32 inputs to the smallest pair of blocks (one configuration compiled) and
+    keep every configuration for bf16 and fp16, which are tuned."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4) for m, n in ((64, 128), (32, 64), (64, 64))]
+    for tuned in (bw.dkdv_tuned, bw.dq_tuned):
+        assert tuned.early_config_prune is bw._smallest_for_float32
+    for dtype in (torch.bfloat16, torch.float16):
+        assert bw._smallest_for_float32(configs, {"q_ptr": torch.empty(1, dtype=dtype)}) == configs
+    assert bw._smallest_for_float32(configs, {"q_ptr": torch.empty(1)}) == [configs[1]]
+
+
 # Mistakes planted in the exported kernels' source text (a mutation of the solution, imported as a module of
 # its own): (edits, the hidden cell that must fail, words its message must contain).
 KERNEL_MUTATIONS = {

@@ -439,14 +439,24 @@ def _backward_configs(shapes, interpreted):
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in shapes]
 
 
+def _smallest_for_float32(configs, named_args, **kwargs):
+    """FP32 inputs (true FP32 products, no tensor cores: run for correctness, not speed) take the smallest pair
+    of blocks alone; tuning them would compile every configuration again for each new shape, for nothing."""
+    if named_args["q_ptr"].dtype == torch.float32:
+        return [min(configs, key=lambda config: config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"])]
+    return configs
+
+
 # dK/dV hold two [BLOCK_N, D] accumulators, so few queries per step; dQ holds one [BLOCK_M, D], so few keys.
 # Unequal blocks on a CPU too, so that the interpreter checks the causal bounds where BLOCK_M != BLOCK_N.
 dkdv_tuned = triton.autotune(
     configs=_backward_configs([(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)], (16, 32)),
-    key=["T", "S", "D", "group", "CAUSAL", "ATOMIC_DQ"], reset_to_zero=["dq_ptr"])(backward_dkdv_kernel)
+    key=["T", "S", "D", "group", "CAUSAL", "ATOMIC_DQ"], reset_to_zero=["dq_ptr"],
+    prune_configs_by={"early_config_prune": _smallest_for_float32})(backward_dkdv_kernel)
 dq_tuned = triton.autotune(
     configs=_backward_configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)], (32, 16)),
-    key=["T", "S", "D", "group", "CAUSAL"])(backward_dq_kernel)
+    key=["T", "S", "D", "group", "CAUSAL"],
+    prune_configs_by={"early_config_prune": _smallest_for_float32})(backward_dq_kernel)
 
 
 def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True, atomic_dq=False):
