@@ -236,6 +236,8 @@ def report(result: dict) -> str:
              "from one process. Backward: torch.autograd.grad of a kept output; forward+backward: both, through "
              "autograd (the course's kernels through flash_attention_train). Errors: max |error| of dq, dk and dv "
              "over batch 0 and KV head 0 with its 4 query heads, against FP32 autograd of the naive attention." % TOKENS,
+             "", "The course's forward pass is flash_attention_lse, the kernel given in 06 (fixed 64 x 64 blocks on a "
+             "GPU, no autotuning), which stores the log-sum-exp; its backward kernels are autotuned.",
              "", "## Backward pass (TFLOP/s)", ""]
     errors = {f"{n} error": (lambda r, n=n: f"{r[n + ' error']:.1e}") for n in SPEED_NAMES}
     lines += _speed_table(result["speed"], "bwd", {"B": lambda r: r["batch"], **errors,
