@@ -9,9 +9,7 @@ temporary folder; gloo talks over the loopback interface, so no network is neede
 order. A rank that raises makes `run` raise the same kind of exception (a RuntimeError for kinds that
 are not Python's own) with the rank and its traceback in the message; a group that has not finished
 within timeout_s (a send that nobody receives waits forever) is killed and `run` raises RanksTimedOut.
-No process outlives the call: every rank is killed and reaped before `run` returns or raises. With glibc,
-the caller's free heap is given back before forking and each rank maps blocks of 1 MiB or more on their
-own, so a rank's resident memory follows the tensors it holds (07's memory check reads it from outside).
+No process outlives the call: every rank is killed and reaped before `run` returns or raises.
 
 With NCCL (backend="nccl", rank r on GPU r) the ranks are started fresh ("spawn"): CUDA cannot be used
 in a forked copy of a process that has touched it, and merely asking whether a GPU is there touches it.
@@ -64,7 +62,6 @@ def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAUL
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPU(s)")
     context = mp.get_context("spawn" if backend == "nccl" else "fork")
-    _release_free_heap()
     folder = tempfile.mkdtemp(prefix="flashcourse-ranks-")
     ranks, pipes = [], []
     try:
@@ -163,7 +160,6 @@ def _rank_main(fn, rank: int, world_size: int, backend: str, store_path: str, ti
     answer = None
     try:
         _die_with_parent()
-        _large_blocks_mapped()
         torch.set_num_threads(1)     # P ranks share the machine's cores; a forked OpenMP pool is not reused
         os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
         if backend == "nccl":
@@ -189,27 +185,6 @@ def _rank_main(fn, rank: int, world_size: int, backend: str, store_path: str, ti
 def _failure(error: BaseException) -> tuple:
     """("raised", kind, message, traceback, when): when is time.monotonic(), the same clock in every process."""
     return ("raised", type(error).__name__, str(error), traceback.format_exc(), time.monotonic())
-
-
-def _release_free_heap() -> None:
-    """With glibc, give the heap's free pages back before forking: a forked rank would otherwise start with
-    them resident and fill them first, and its resident memory would understate what it allocated."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
-
-def _large_blocks_mapped() -> None:
-    """With glibc, blocks of 1 MiB or more are mapped on their own and unmapped when freed: the rank's resident
-    memory then follows the tensors it holds (glibc's default threshold rises to 32 MiB as blocks are freed, after
-    which freed tensors stay resident in its heap), so its peak says how much it held at once."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD
-        except (OSError, AttributeError):
-            pass
 
 
 def _die_with_parent() -> None:
