@@ -176,3 +176,20 @@ def test_hidden_checks_pass_the_solution(name):
     """Every hidden check of 06 passes the engine (the executed solution's functions)."""
     fn = engine.online_attention_lse if "lse" in name else engine.attention_backward
     getattr(hidden, name)(fn)
+
+
+@pytest.mark.parametrize("q_shape, k_shape, v_shape, words", [
+    ((1, 2, 8, 24), (1, 2, 8, 24), (1, 2, 8, 24), "power of two >= 16"),
+    ((1, 2, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8), "power of two >= 16"),
+    ((1, 3, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), "multiple of KV heads"),
+    ((1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 9, 16), "expected k and v of shape"),
+    ((2, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), "expected k and v of shape"),
+])
+def test_kernel_input_checks(q_shape, k_shape, v_shape, words):
+    """positions.check_kernel_inputs, which 06's kernels call before launching, names each wrong shape and lets
+    a right one through (GQA 4:1, T != S)."""
+    from flashcourse.positions import check_kernel_inputs
+
+    with pytest.raises(ValueError, match=words):
+        check_kernel_inputs(torch.zeros(q_shape), torch.zeros(k_shape), torch.zeros(v_shape))
+    check_kernel_inputs(torch.zeros(1, 8, 5, 32), torch.zeros(1, 2, 11, 32), torch.zeros(1, 2, 11, 32))

@@ -90,6 +90,7 @@ import math
 import torch
 
 from flashcourse import runtime
+from flashcourse.positions import check_kernel_inputs  # one device, k and v [B, Hkv, S, D], Hq % Hkv == 0, D = 2^n >= 16
 
 runtime.setup(quiet=True)  # before Triton is imported: on a CPU this turns on its interpreter
 
@@ -97,20 +98,6 @@ import triton  # noqa: E402  (after the runtime's choice)
 import triton.language as tl  # noqa: E402
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
-
-
-def check_inputs(q, k, v):
-    """04's checks, before anything is launched: one device, matching shapes, Hq % Hkv == 0, D = 2^n >= 16."""
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
-    B, Hq, _, D = q.shape
-    Hkv = k.shape[1]
-    if tuple(v.shape) != tuple(k.shape) or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"expected k and v of shape [{B}, Hkv, S, {D}], got {list(k.shape)} and {list(v.shape)}")
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"the head dimension must be a power of two >= 16 (tl.dot and tl.arange need it), got {D}")
 
 
 @triton.jit
@@ -186,7 +173,7 @@ def flash_attention_lse(q, k, v, query_offset=None, causal=True):
     Query i sits at query_offset + i (default S - T), key j at j. A query that sees no key (a negative
     offset puts it before key 0) gets o = 0 and lse = -inf.
     """
-    check_inputs(q, k, v)
+    check_kernel_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     offset = S - T if query_offset is None else int(query_offset)
@@ -466,7 +453,7 @@ def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True
     back shaped and typed like its input, dk and dv summed over the query heads that share them.
     atomic_dq=True adds dq inside the dK/dV kernel with atomics instead of running the dQ kernel.
     """
-    check_inputs(q, k, v)
+    check_kernel_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if tuple(o.shape) != tuple(q.shape) or tuple(do.shape) != tuple(q.shape):
