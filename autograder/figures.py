@@ -36,6 +36,8 @@ LAST_GAP = "flashcourse/measured/fast_last_gap.json"            # 05's last part
 PROFILE = "flashcourse/measured/fast_profile.json"              # Nsight Compute at T = 1k and 16k, reduced
 RING_REPORT = "benchmarks/results/2026-11-30-h200x2-ring.md"   # 07's ring on two H200s (bench_ring)
 LPT_GROUPS = "flashcourse/measured/fast_lpt_groups.json"        # longest first in L2-sized head groups
+LAST_GAP_2 = "flashcourse/measured/fast_last_gap_2.json"        # 05's last part: the grid with the lse forward, decode
+TRIALS = "flashcourse/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
 
@@ -189,6 +191,26 @@ def _groups_over_fast(data) -> list[float]:
 
 
 
+def _lse_over_fast(data) -> list[float]:
+    """fast_attention_lse's TFLOP/s over fast_attention's, at every row of the grid."""
+    return [r["fast_attention_lse"] / r["fast_attention"] for r in data["prefill"]]
+
+
+def _best_of_cudnn(data) -> list[float]:
+    """The faster of the two course kernels over cuDNN, at every row of the grid."""
+    return [max(r["fast_attention"], r["fast_attention_lse"]) / r["SDPA cuDNN"] for r in data["prefill"]]
+
+
+def _trial(data, key: str, t: int, name: str) -> float:
+    """One cell of the trials: `name`'s TFLOP/s at T = t in the process `key` ("pipeline" or "pipeline_ws")."""
+    return next(r[name] for r in data[key] if r["t"] == t)
+
+
+def _short(data, s: int, batch: int = 1) -> dict:
+    """The decode row of the final run at batch B and S = s."""
+    return next(r for r in data["decode"] if (r["batch"], r["s"]) == (batch, s))
+
+
 def _ring(report: Report, t: int, what: str, column: str) -> float:
     """A cell of 07's two-GPU table, as a number: the row of `what` at T = t."""
     return float(next(r[column] for r in report.tables[0] if int(r["T"]) == t and r["what"] == what))
@@ -309,6 +331,49 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.max_rot_outliers": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8 + rotation", "max"), 2),
     "gap.fp8.rotation_gain": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8", "rms")
                                     / _fp8_error(d, _OUTLIERS, "FP8 + rotation", "rms"), 1),
+    # 05's last part, continued: the lse forward, Hopper's pipelining options, decode at short caches
+    "gap2.lse.over_fast_min": Figure(LAST_GAP_2, lambda d: min(_lse_over_fast(d)), 2),
+    "gap2.lse.over_fast_max": Figure(LAST_GAP_2, lambda d: max(_lse_over_fast(d)), 2),
+    "gap2.lse.over_fast_median": Figure(LAST_GAP_2, lambda d: sorted(_lse_over_fast(d))[len(d["prefill"]) // 2], 2),
+    "gap2.lse.rows": Figure(LAST_GAP_2, lambda d: len(d["prefill"])),
+    "gap2.lse.error_e6": Figure(LAST_GAP_2, lambda d: 1e6 * max(r["lse error"] for r in d["prefill"]), 1),
+    "gap2.fast.repeat_4k": Figure(LAST_GAP_2, lambda d: d["prefill"][2]["fast_attention"]),
+    "gap2.fast.trial_4k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 4096, "fast_attention")),
+    "gap2.of_cudnn_min": Figure(LAST_GAP_2, lambda d: min(_best_of_cudnn(d)), 2),
+    "gap2.of_cudnn_max": Figure(LAST_GAP_2, lambda d: max(_best_of_cudnn(d)), 2),
+    "gap2.stages.s3_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s3")),
+    "gap2.stages.s5_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s5")),
+    "gap2.stages.s3_128x128_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x128 w8 s3")),
+    "gap2.stages.s3_64x64_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 1024, "64x64 w4 s3")),
+    "gap2.stages.s4_64x64_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 1024, "64x64 w4 s4")),
+    "gap2.ws.best_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 1024, "128x128 w8 s3 ws")),
+    "gap2.ws.best_4k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 4096, "128x128 w8 s3 ws")),
+    "gap2.ws.best_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 16384, "128x128 w8 s3 ws")),
+    "gap2.ws.tuned_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 1024, "fast_attention_lse")),
+    "gap2.ws.tuned_4k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 4096, "fast_attention_lse")),
+    "gap2.ws.tuned_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 16384, "fast_attention_lse")),
+    "gap2.ws.chosen_rows": Figure(LAST_GAP_2, lambda d: sum("WARP_SPECIALIZE: True" in r["lse config"]
+                                                            for r in d["prefill"])),
+    "gap2.decode.copy_tbs": Figure(LAST_GAP_2, lambda d: d["copy_tbs"], 2),
+    "gap2.decode.default_1k": Figure(LAST_GAP_2, lambda d: _short(d, 1024)["fast_decode"], 2),
+    "gap2.decode.short_1k": Figure(LAST_GAP_2, lambda d: _short(d, 1024)["short-cache splits"], 2),
+    "gap2.decode.default_2k": Figure(LAST_GAP_2, lambda d: _short(d, 2048)["fast_decode"], 2),
+    "gap2.decode.short_2k": Figure(LAST_GAP_2, lambda d: _short(d, 2048)["short-cache splits"], 2),
+    "gap2.decode.default_4k": Figure(LAST_GAP_2, lambda d: _short(d, 4096)["fast_decode"], 2),
+    "gap2.decode.short_4k": Figure(LAST_GAP_2, lambda d: _short(d, 4096)["short-cache splits"], 2),
+    "gap2.decode.short_8k": Figure(LAST_GAP_2, lambda d: _short(d, 8192)["short-cache splits"], 2),
+    "gap2.decode.short_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.short_16k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 16384)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.short_32k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 32768)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.copy_8k": Figure(LAST_GAP_2, lambda d: _short(d, 8192)["copy_same_bytes"], 2),
+    "gap2.decode.copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192)["copy_same_bytes"] / d["copy_tbs"]),
+    "gap2.decode.of_copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192)["short-cache splits"]
+                                         / _short(d, 8192)["copy_same_bytes"]),
+    "gap2.decode.b8_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192, 8)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.over_cudnn_min": Figure(LAST_GAP_2, lambda d: min(r["short-cache splits"] / r["SDPA cuDNN"]
+                                                                   for r in d["decode"]), 2),
+    "gap2.decode.over_cudnn_max": Figure(LAST_GAP_2, lambda d: max(r["short-cache splits"] / r["SDPA cuDNN"]
+                                                                   for r in d["decode"]), 2),
     # 04's kernel against SDPA (benchmarks/results), quoted by 05
     "flash04.over_sdpa_d128_min": Figure(FLASH_REPORT, lambda r: min(_flash_04(r, "flash / SDPA flash", 128)), 2),
     "flash04.over_sdpa_d128_max": Figure(FLASH_REPORT, lambda r: max(_flash_04(r, "flash / SDPA flash", 128)), 2),

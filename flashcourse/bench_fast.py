@@ -116,15 +116,21 @@ def rms_error(out, q, k, v, causal: bool, heads: int = 2) -> float:
 def reference_fp32(q, k, v, causal: bool, heads: int = 2):
     """Attention of batch 0's first `heads` query heads in FP32, keys at 0 .. S-1, query i at S - T + i."""
     group = q.shape[1] // k.shape[1]
+    v32 = v[:1].float().repeat_interleave(group, 1)[:, :heads]
+    return torch.softmax(reference_scores(q, k, causal, heads), -1) @ v32  # [1, heads, T, D]
+
+
+def reference_scores(q, k, causal: bool, heads: int = 2):
+    """reference_fp32's scaled scores [1, heads, T, S] in FP32, -inf where causal hides a key."""
+    group = q.shape[1] // k.shape[1]
     q32 = q[:1, :heads].float()
     k32 = k[:1].float().repeat_interleave(group, 1)[:, :heads]
-    v32 = v[:1].float().repeat_interleave(group, 1)[:, :heads]
     scores = q32 @ k32.transpose(-2, -1) / math.sqrt(q.shape[-1])          # [1, heads, T, S]
     if causal:
         t, s = scores.shape[-2:]
         hidden = torch.arange(s, device=q.device)[None, :] > torch.arange(t, device=q.device)[:, None] + (s - t)
         scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.softmax(scores, -1) @ v32                                  # [1, heads, T, D]
+    return scores
 
 
 def steps() -> list[dict]:
@@ -590,6 +596,257 @@ def last_gap_main(args) -> int:
     return 0
 
 
+# --- the last gap, continued: the lse forward, Hopper's pipelining options, decode at short caches -------
+
+PIPELINE_TRIALS = [  # (BLOCK_M, BLOCK_N, warps, stages, warp specialization) of fast_attention_lse, tried one by one
+    (64, 64, 4, 3, False), (64, 64, 4, 4, False), (64, 64, 4, 5, False), (64, 128, 4, 3, False),
+    (128, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 64, 8, 4, False), (128, 64, 8, 5, False),
+    (128, 128, 8, 2, False), (128, 128, 8, 3, False), (128, 128, 8, 4, False),
+    (64, 64, 4, 3, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True),
+]
+SHORT_CACHES = (1024, 2048, 4096, 8192, 16384)
+DECODE_LAUNCHES = [  # (keys per tile, warps, stages) of the split kernel, tried with every split count
+    (128, 4, 3), (128, 4, 4), (64, 4, 3), (64, 4, 4), (32, 4, 3), (64, 8, 3)]
+DECODE_SPLITS = (8, 16, 24, 32, 48, 64)
+
+
+def pipeline_trials(lengths=(1024, 4096, 16384), warp_specialize=None) -> list[dict]:
+    """bf16 causal D = 128, H = 32: fast_attention and fast_attention_lse autotuned, cuDNN, FlashAttention-2, and
+    fast_attention_lse at each PIPELINE_TRIALS config (only those whose warp specialization is `warp_specialize`,
+    when given). TFLOP/s; NaN where a config fails to compile."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_attention, fast_attention_lse, fast_lse_tuned
+
+    trials = [c for c in PIPELINE_TRIALS if warp_specialize is None or c[4] == warp_specialize]
+    rows = []
+    for t in lengths:
+        batch = max(1, TOKENS // t)
+        q, k, v = _inputs(batch, 32, 32, t, t, 128, torch.bfloat16)
+        flops = 2.0 * batch * 32 * t * t * 128
+        impls = {"fast_attention": lambda: fast_attention(q, k, v),
+                 "fast_attention_lse": lambda: fast_attention_lse(q, k, v),
+                 "SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, True, False)(q, k, v),
+                 "SDPA flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, True, False)(q, k, v)}
+        for bm, bn, w, st, ws in trials:
+            impls[f"{bm}x{bn} w{w} s{st}" + (" ws" if ws else "")] = functools.partial(
+                fast_attention_lse, q, k, v, block_m=bm, block_n=bn, num_warps=w, num_stages=st, warp_specialize=ws)
+        row = dict(t=t, batch=batch)
+        for name, fn in impls.items():
+            row[name] = flops / _or_nan(_ms, fn) / 1e9
+            print(f"  T={t:5d} {name:28s} {row[name]:6.1f}", flush=True)
+        row["lse config"] = str(fast_lse_tuned.best_config)
+        rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _same_bytes_copy(caches) -> float:
+    """TB/s of a device copy moving as many bytes (read plus written) as one decode reads, graph-timed like it."""
+    nbytes = sum(x.numel() * x.element_size() for x in caches[0][1:])      # K and V
+    pairs = [(torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda"),
+              torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")) for _ in caches]
+    return nbytes / _graph_ms([functools.partial(y.copy_, x) for x, y in pairs]) / 1e9
+
+
+def decode_sweep(lengths=SHORT_CACHES, q_heads=32, kv_heads=8, d=128) -> list[dict]:
+    """B = 1: fast_decode's TB/s for every split count and split-kernel launch, next to SDPA and a copy.
+
+    The launch is set by substituting decode_launch for the sweep (fast_decode reads it at each call)."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine import fast_kernel
+
+    given_launch = fast_kernel.decode_launch
+    rows = []
+    for s in lengths:
+        kv_bytes = 2 * kv_heads * s * d * 2
+        copies = max(2, math.ceil(L2_FLUSH_BYTES / kv_bytes))
+        caches = [_inputs(1, q_heads, kv_heads, 1, s, d, torch.bfloat16, seed=i) for i in range(copies)]
+        row = dict(s=s, copies=copies, copy_same_bytes=_same_bytes_copy(caches), configs={})
+        for name, backend in (("SDPA flash", SDPBackend.FLASH_ATTENTION), ("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION)):
+            row[name] = kv_bytes / _or_nan(_graph_ms, [functools.partial(_sdpa(backend, False, True), *c)
+                                                       for c in caches]) / 1e9
+        try:
+            for block_n, warps, stages in DECODE_LAUNCHES:
+                fast_kernel.decode_launch = lambda device, launch=dict(BLOCK_N=block_n, num_warps=warps,
+                                                                       num_stages=stages): launch
+                for splits in DECODE_SPLITS:
+                    tbs = kv_bytes / _or_nan(_graph_ms, [functools.partial(fast_kernel.fast_decode, *c, splits=splits)
+                                                         for c in caches]) / 1e9
+                    row["configs"][f"{block_n} w{warps} s{stages} / {splits}"] = tbs
+        finally:
+            fast_kernel.decode_launch = given_launch
+        row["default"] = kv_bytes / _graph_ms([functools.partial(fast_kernel.fast_decode, *c) for c in caches]) / 1e9
+        best = max(row["configs"], key=row["configs"].get)
+        print(f"  S={s:6d}: default {row['default']:.2f}, best {best} {row['configs'][best]:.2f}, cuDNN "
+              f"{row['SDPA cuDNN']:.2f}, flash {row['SDPA flash']:.2f}, same-bytes copy {row['copy_same_bytes']:.2f} TB/s",
+              flush=True)
+        rows.append(row)
+        del caches
+        torch.cuda.empty_cache()
+    return rows
+
+
+def trials_main(args) -> int:
+    """--trials: pipeline_trials (warp specialization only with --warp-specialize) and, without it, decode_sweep."""
+    result = {"environment": environment()}
+    if args.warp_specialize:
+        result["pipeline"] = pipeline_trials(warp_specialize=True)
+    else:
+        result["copy_tbs"] = copy_bandwidth()
+        result["decode_sweep"] = decode_sweep()
+        result["pipeline"] = pipeline_trials(warp_specialize=False)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+LAST_GAP_2_NAMES = ["fast_attention", "fast_attention_lse", "SDPA cuDNN", "SDPA flash"]
+SHORT_DECODE = [(1, s) for s in SHORT_CACHES + (32768,)] + [(8, 1024), (8, 8192)]
+DECODE_2_NAMES = ["fast_decode", "short-cache splits", "SDPA cuDNN", "SDPA flash"]
+
+
+def lse_error(lse, q, k, causal: bool, heads: int = 2) -> float:
+    """max |lse - reference| over batch 0 and the first `heads` query heads (natural log, FP32 reference)."""
+    return float((lse[:1, :heads] - torch.logsumexp(reference_scores(q, k, causal, heads), -1)).abs().max())
+
+
+def prefill_with_lse(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
+    """bench_fast's prefill grid: fast_attention, fast_attention_lse (autotuned), SDPA cuDNN and flash (TFLOP/s)."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_attention, fast_attention_lse, fast_lse_tuned
+
+    rows = [] if rows is None else rows
+    for dtype_name, causal, d, q_heads, kv_heads, lengths in grid:
+        dtype, gqa = DTYPES[dtype_name], q_heads != kv_heads
+        for t in lengths:
+            batch = max(1, TOKENS // t)
+            q, k, v = _inputs(batch, q_heads, kv_heads, t, t, d, dtype)
+            flops = (2.0 if causal else 4.0) * batch * q_heads * t * t * d
+            impls = {"fast_attention": lambda: fast_attention(q, k, v, causal=causal),
+                     "fast_attention_lse": lambda: fast_attention_lse(q, k, v, causal=causal),
+                     "SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, gqa)(q, k, v),
+                     "SDPA flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, causal, gqa)(q, k, v)}
+            row = dict(dtype=dtype_name, causal=causal, d=d, q_heads=q_heads, kv_heads=kv_heads, t=t, batch=batch)
+            for name, fn in impls.items():
+                row[name] = flops / _or_nan(_ms, fn) / 1e9
+            o, lse = fast_attention_lse(q, k, v, causal=causal)
+            row["lse o error"], row["lse error"] = max_error(o, q, k, v, causal), lse_error(lse, q, k, causal)
+            row["lse config"] = str(fast_lse_tuned.best_config)
+            rows.append(row)
+            done()
+            print(f"  {dtype_name} {'causal' if causal else 'full  '} D={d} H={q_heads}/{kv_heads} T={t:5d} B={batch:2d}: "
+                  + ", ".join(f"{n} {row[n]:.0f}" for n in impls) + f"  [{row['lse config']}]", flush=True)
+            del q, k, v, o, lse
+            torch.cuda.empty_cache()
+    return rows
+
+
+def decode_short(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, done=lambda: None) -> list[dict]:
+    """fast_decode with decode_splits and with short_cache_splits, SDPA's backends and a same-bytes copy (TB/s)."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_decode, short_cache_splits
+
+    rows = [] if rows is None else rows
+    for batch, s in grid:
+        kv_bytes = 2 * batch * kv_heads * s * d * 2
+        copies = max(2, math.ceil(L2_FLUSH_BYTES / kv_bytes))
+        caches = [_inputs(batch, q_heads, kv_heads, 1, s, d, torch.bfloat16, seed=i) for i in range(copies)]
+        splits = short_cache_splits(batch, kv_heads, s, "cuda")
+        impls = {"fast_decode": fast_decode, "short-cache splits": functools.partial(fast_decode, splits=splits),
+                 "SDPA cuDNN": _sdpa(SDPBackend.CUDNN_ATTENTION, False, True),
+                 "SDPA flash": _sdpa(SDPBackend.FLASH_ATTENTION, False, True)}
+        row = dict(batch=batch, s=s, copies=copies, splits=splits, copy_same_bytes=_same_bytes_copy(caches))
+        q, k, v = caches[0]
+        for name, fn in impls.items():
+            row[name] = kv_bytes / _or_nan(_graph_ms, [functools.partial(fn, *cache) for cache in caches]) / 1e9
+        row["short-cache error"] = max_error(impls["short-cache splits"](q, k, v), q, k, v, False)
+        rows.append(row)
+        done()
+        print(f"  decode B={batch} S={s:6d} ({splits} splits): " + ", ".join(f"{n} {row[n]:.2f}" for n in impls)
+              + f", same-bytes copy {row['copy_same_bytes']:.2f} TB/s", flush=True)
+        del caches, q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def last_gap_2_report(result: dict, trials: dict | None = None) -> str:
+    """The final grid with the lse forward, decode at short caches, and (when given) the trials, as markdown."""
+    lines = ["# The fast kernel's last gap, continued: a forward that returns lse, decode at short caches, Hopper's "
+             "pipelining options", "", f"Measured {result['environment']}.", "",
+             "Prefill times by triton.testing.do_bench (L2 flushed before each run); decode times per call of a "
+             "replayed CUDA graph over several copies of the cache (more than the L2 holds). Every number of the first "
+             "two tables from one process. TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal; T = S, "
+             f"B x T = {TOKENS}. Errors over batch 0, heads 0-1, against FP32: max |o - reference| and max |lse - "
+             "reference| (natural log).", "",
+             "## Prefill (TFLOP/s)", "",
+             "| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(LAST_GAP_2_NAMES) +
+             " | fast / cuDNN | lse / cuDNN | lse / fast | lse o error | lse error | lse config |",
+             "|---" * (6 + len(LAST_GAP_2_NAMES) + 6) + "|"]
+    for r in result["prefill"]:
+        lines.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['d']} | {r['q_heads']}/{r['kv_heads']} | "
+                     f"{r['t']} | {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in LAST_GAP_2_NAMES) +
+                     f" | {r['fast_attention'] / r['SDPA cuDNN']:.2f} | {r['fast_attention_lse'] / r['SDPA cuDNN']:.2f} | "
+                     f"{r['fast_attention_lse'] / r['fast_attention']:.2f} | {r['lse o error']:.1e} | "
+                     f"{r['lse error']:.1e} | {r['lse config']} |")
+    lines += ["", f"## Decode (TB/s of K and V read; Hq = 32, Hkv = 8, D = 128, bf16; a 4 GiB device copy: "
+              f"{result['copy_tbs']:.2f} TB/s)", "",
+              "| B | S | splits | " + " | ".join(DECODE_2_NAMES) + " | same-bytes copy | short / 4 GiB copy | "
+              "short / same-bytes copy | short / cuDNN | short-cache error |", "|---" * (3 + len(DECODE_2_NAMES) + 5) + "|"]
+    for r in result["decode"]:
+        short = r["short-cache splits"]
+        lines.append(f"| {r['batch']} | {r['s']} | {r['splits']} | " + " | ".join(f"{r[n]:.2f}" for n in DECODE_2_NAMES)
+                     + f" | {r['copy_same_bytes']:.2f} | {100 * short / result['copy_tbs']:.0f} % | "
+                     f"{100 * short / r['copy_same_bytes']:.0f} % | {short / r['SDPA cuDNN']:.2f} | "
+                     f"{r['short-cache error']:.1e} |")
+    if trials:
+        lines += ["", "## The trials (earlier processes, in one call before the tables above)", "",
+                  f"Measured {trials['environment']}."]
+        for key, what in (("pipeline", "one process"), ("pipeline_ws", "warp-specialized, a process of its own")):
+            lines += ["", f"### fast_attention_lse one config at a time ({what}): bf16, causal, D = 128, H = 32 "
+                      "(TFLOP/s; config: BLOCK_M x BLOCK_N, warps, stages, ws = warp_specialize; - : did not compile or fit)", ""]
+            names = [n for n in trials[key][0] if n not in ("t", "batch", "lse config")]
+            lines += ["| config | " + " | ".join(f"T = {r['t']}" for r in trials[key]) + " |",
+                      "|---" * (1 + len(trials[key])) + "|"]
+            lines += [f"| {n} | " + " | ".join("-" if r[n] != r[n] else f"{r[n]:.1f}" for r in trials[key]) + " |"
+                      for n in names]
+        lines += ["", "### Decode at B = 1: the best split count per launch of the split kernel (TB/s; launch: keys "
+                  f"per tile, warps, stages; a 4 GiB copy: {trials['copy_tbs']:.2f} TB/s)", ""]
+        launches = [f"{n} w{w} s{st}" for n, w, st in DECODE_LAUNCHES]
+        lines += ["| S | decode_splits | " + " | ".join(launches) + " | SDPA cuDNN | same-bytes copy |",
+                  "|---" * (4 + len(launches)) + "|"]
+        for r in trials["decode_sweep"]:
+            best = [max(((v, k.split(" / ")[1]) for k, v in r["configs"].items() if k.startswith(f"{l} /")))
+                    for l in launches]
+            lines.append(f"| {r['s']} | {r['default']:.2f} | " + " | ".join(f"{v:.2f} ({n})" for v, n in best)
+                         + f" | {r['SDPA cuDNN']:.2f} | {r['copy_same_bytes']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def last_gap_2_main(args) -> int:
+    """--last-gap-2: decode at short caches, then the prefill grid with the lse forward, saved after every row."""
+    result = {"environment": environment(), "copy_tbs": copy_bandwidth(), "decode": [], "prefill": []}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    print("decode", flush=True)
+    decode_short(rows=result["decode"], done=save)
+    print("prefill", flush=True)
+    prefill_with_lse(rows=result["prefill"], done=save)
+    text = last_gap_2_report(result)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the markdown report to this file")
@@ -605,8 +862,24 @@ def main(argv=None) -> int:
                         "raw CSVs (one per T) to --json")
     parser.add_argument("--profile", type=int, metavar="T", help="run each causal D = 128 kernel once at T = S, "
                         "for Nsight Compute (--profile-from-start off)")
+    parser.add_argument("--trials", action="store_true", help="the lse forward's configs, one by one, and the decode "
+                        "sweep at short caches (--json)")
+    parser.add_argument("--warp-specialize", action="store_true", help="with --trials: only the warp-specialized "
+                        "configs, in a process of their own")
+    parser.add_argument("--last-gap-2", action="store_true", help="decode at short caches and the prefill grid with "
+                        "the lse forward, in one process (--out, --json)")
+    parser.add_argument("--last-gap-2-report", nargs=2, metavar=("RESULT", "TRIALS"), help="measure nothing: the "
+                        "markdown of a --last-gap-2 JSON and a --trials JSON together (--out)")
     args = parser.parse_args(argv)
-    if (args.last_gap or args.lpt_groups or args.profile) and not torch.cuda.is_available():
+    if args.last_gap_2_report:
+        result, trials = (json.load(open(path)) for path in args.last_gap_2_report)
+        text = last_gap_2_report(result, trials)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return 0
+    if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2) and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
     if args.profile:
@@ -614,6 +887,10 @@ def main(argv=None) -> int:
         return 0
     if args.last_gap:
         return last_gap_main(args)
+    if args.trials:
+        return trials_main(args)
+    if args.last_gap_2:
+        return last_gap_2_main(args)
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)

@@ -307,3 +307,69 @@ def test_fp8_attention_near_the_reference(rotate):
     got = fp8_attention(ODD.q, ODD.k, ODD.v, rotation=rotation).cpu().double()
     want = reference.attention(ODD.q.cpu(), ODD.k.cpu(), ODD.v.cpu())
     assert (got - want).pow(2).mean().sqrt() < 5e-2
+
+
+# --- the last gap, continued: a forward that returns lse -------------------------------------------------
+
+def attention_lse_float64(q, k, v, offset, causal):
+    """(o, lse) in float64: query i at offset + i, key j at j; a row that sees no key gets o = 0, lse = -inf."""
+    q, k, v = (x.cpu().double() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5                   # [B, Hq, T, S]
+    if causal:
+        t, s = scores.shape[-2:]
+        scores = scores.masked_fill(torch.arange(s)[None, :] > torch.arange(t)[:, None] + offset, float("-inf"))
+    lse = torch.logsumexp(scores, -1)                                       # [B, Hq, T]
+    weights = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return weights @ v, lse
+
+
+@pytest.mark.parametrize("t, s, offset, causal", [(45, 51, None, True), (20, 37, None, False), (30, 30, -7, True),
+                                                  (33, 60, 3, True)])
+def test_fast_attention_lse_against_float64(t, s, offset, causal):
+    """o and lse (natural log, FP32) against float64, GQA 2, T and S no multiple of a block; a negative offset
+    leaves the first rows without a key: o = 0 and lse = -inf there, as 06's flash_attention_lse."""
+    from flashcourse.engine.fast_kernel import fast_attention_lse
+
+    gen = torch.Generator().manual_seed(t + s)
+    q, k, v = (torch.randn(2, h, n, 16, generator=gen).to(RT.device, RT.dtype)
+               for h, n in ((4, t), (2, s), (2, s)))
+    o, lse = fast_attention_lse(q, k, v, query_offset=offset, causal=causal)
+    want_o, want_lse = attention_lse_float64(q, k, v, s - t if offset is None else offset, causal)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, t)
+    rtol, atol = ac.tolerance(RT.dtype)
+    torch.testing.assert_close(o.cpu().double(), want_o, rtol=rtol, atol=atol)
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(want_lse)), "rows without a key must have lse = -inf"
+    seen = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.cpu().double()[seen], want_lse[seen], rtol=rtol, atol=atol)
+    assert (offset is None or offset >= 0) or not seen.all(), "the negative offset must leave rows without a key"
+
+
+def test_fast_attention_lse_gives_the_fast_kernels_output():
+    """The same attention as fast_attention, explicit blocks or autotuned."""
+    from flashcourse.engine.fast_kernel import fast_attention, fast_attention_lse
+
+    rtol, atol = ac.tolerance(RT.dtype)
+    for blocks in ({}, {"block_m": 32, "block_n": 16}):
+        o, _ = fast_attention_lse(ODD.q, ODD.k, ODD.v, **blocks)
+        torch.testing.assert_close(o, fast_attention(ODD.q, ODD.k, ODD.v, **blocks), rtol=rtol, atol=atol)
+
+
+def test_short_cache_splits():
+    """One wave of programs (4 'multiprocessors' on a CPU), each split at least one tile of keys; decode with
+    those splits matches the reference."""
+    from flashcourse.engine.fast_kernel import decode_launch, short_cache_splits
+
+    tile = decode_launch(RT.device)["BLOCK_N"]
+    processors = torch.cuda.get_device_properties(RT.device).multi_processor_count if RT.device == "cuda" else 4
+    assert short_cache_splits(1, 1, 1, RT.device) == 1
+    assert short_cache_splits(1, 1, 2 * tile + 1, RT.device) == min(3, processors)
+    assert short_cache_splits(1, 1, 1000 * tile, RT.device) == processors
+    assert short_cache_splits(processors, 2, 1000 * tile, RT.device) == 1     # more (batch, KV head)s than processors
+    q = torch.randn(2, 4, 1, 16, device=RT.device, dtype=RT.dtype)
+    k, v = (torch.randn(2, 2, 3 * tile - 5, 16, device=RT.device, dtype=RT.dtype) for _ in range(2))
+    splits = short_cache_splits(2, 2, k.shape[2], RT.device)
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=False)
+    rtol, atol = ac.tolerance(RT.dtype)
+    assert torch.allclose(fast_decode(q, k, v, splits=splits).cpu().double(), want, rtol=rtol, atol=atol)

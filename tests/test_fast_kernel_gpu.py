@@ -91,3 +91,34 @@ def test_fp8_long(engine, d, causal, rotate):
     out = engine.fp8_attention(q, k, v, causal=causal, rotation=rotation)
     assert out.dtype == torch.bfloat16
     assert rms_error(out, q, k, v, causal) < 3e-2 and max_error(out, q, k, v, causal) < 0.5
+
+
+@pytest.mark.parametrize("causal, offset", [(True, None), (False, None), (True, -100)])
+def test_fast_attention_lse_long(engine, causal, offset):
+    """T = 2000 over S = 3001 (GQA 4, D = 128, bf16, autotuned): o within 2e-2 of FP32, lse (FP32, natural log)
+    within 1e-2 of 06's flash_attention_lse; with offset -100 the first 100 rows see no key: o = 0, lse = -inf."""
+    from flashcourse.bench_fast import _inputs
+    from flashcourse.engine.backward import flash_attention_lse
+
+    q, k, v = _inputs(2, 8, 2, 2000, 3001, 128, torch.bfloat16)
+    o, lse = engine.fast_attention_lse(q, k, v, query_offset=offset, causal=causal)
+    want_o, want_lse = flash_attention_lse(q, k, v, query_offset=offset, causal=causal)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 8, 2000)
+    assert (o.float() - want_o.float()).abs().max() < 2e-2
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    seen = torch.isfinite(want_lse)
+    assert (lse[seen] - want_lse[seen]).abs().max() < 1e-2
+    if offset is not None:
+        assert torch.isinf(lse[:, :, :100]).all() and (o[:, :, :100] == 0).all()
+
+
+@pytest.mark.parametrize("batch, s", [(1, 1000), (1, 2048), (8, 1024)])
+def test_short_cache_decode(engine, batch, s):
+    """fast_decode with short_cache_splits at short S (Hq = 32, Hkv = 8): one wave of splits of at least one tile,
+    error against FP32 within 1e-2."""
+    from flashcourse.bench_fast import _inputs, max_error
+
+    q, k, v = _inputs(batch, 32, 8, 1, s, 128, torch.bfloat16)
+    splits = engine.short_cache_splits(batch, 8, s, "cuda")
+    assert splits == min(torch.cuda.get_device_properties(0).multi_processor_count // (batch * 8), -(-s // 128))
+    assert max_error(engine.fast_decode(q, k, v, splits=splits), q, k, v, False) < 1e-2

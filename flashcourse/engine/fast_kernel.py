@@ -396,9 +396,13 @@ def fast_decode(q, k, v, splits=None):
     return o
 
 
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): ln(x) = log2(x) · ln(2)
+
+
 @triton.jit
 def _attend_block(
     q_ptr, k_src, v_src, o_ptr,              # as fast_fwd_kernel's (k_src, v_src: descriptors with USE_TMA, else pointers)
+    lse_row,                                 # this (batch, query head)'s log-sum-exps, [T] FP32 (written if STORE_LSE)
     block, b, h, kv_h,                       # which query block, batch, query head and KV head this is
     stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query (D is contiguous)
     stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
@@ -411,6 +415,8 @@ def _attend_block(
     BLOCK_N: tl.constexpr,                   # keys per tile
     CAUSAL: tl.constexpr,                    # hide keys after the query's position
     USE_TMA: tl.constexpr,                   # K and V through tensor descriptors
+    STORE_LSE: tl.constexpr,                 # also write each row's log-sum-exp (natural log) to lse_row
+    WARP_SPECIALIZE: tl.constexpr,           # ask the compiler to give the loops' copies and math to separate warps
 ):
     """One query block of fast_fwd_kernel (exp2, the diagonal split, no window), wherever the grid puts it."""
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)       # [BLOCK_M] query indices
@@ -432,16 +438,20 @@ def _attend_block(
     else:
         stop = S
         diagonal = S
-    masked_from = (tl.minimum(diagonal, stop) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, masked_from, BLOCK_N):
+    masked_from = (tl.maximum(tl.minimum(diagonal, stop), 0) // BLOCK_N) * BLOCK_N  # 0 if the block starts before key 0
+    for n0 in tl.range(0, masked_from, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
                                  qk_scale, D, BLOCK_N, False, CAUSAL, False, True, USE_TMA, "ieee")
-    for n0 in range(masked_from, stop, BLOCK_N):
+    for n0 in tl.range(masked_from, stop, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
                                  qk_scale, D, BLOCK_N, True, CAUSAL, False, True, USE_TMA, "ieee")
-    o = acc / tl.where(row_ok, l, 1.0)[:, None]
+    seen = l > 0                                         # False for a row before key 0 (a negative offset) or past T
+    o = acc / tl.where(seen, l, 1.0)[:, None]            # such a row stays 0
     tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:  # m is in the log2 domain: ln(sum exp(s)) = (m + log2(l)) · ln(2)
+        lse = tl.where(seen, (m + tl.math.log2(tl.where(seen, l, 1.0))) * LN2, float("-inf"))
+        tl.store(lse_row + rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -479,10 +489,10 @@ def lpt_fwd_kernel(
         block = n_blocks - 1 - rank // heads_here
         bh = first_head + rank % heads_here
         h = bh % q_heads
-        _attend_block(q_ptr, k_ptr, v_ptr, o_ptr, block, bh // q_heads, h, h // group,
+        _attend_block(q_ptr, k_ptr, v_ptr, o_ptr, o_ptr, block, bh // q_heads, h, h // group,  # o_ptr for lse: unused
                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
                       stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_ot,
-                      T, S, offset, q_heads // group, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA)
+                      T, S, offset, q_heads // group, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, False, False)
 
 
 def _lpt_configs():
@@ -521,6 +531,17 @@ def l2_head_group(k, q_heads):
     return max(1, l2_bytes // 2 // kv_bytes) * (q_heads // kv_heads)
 
 
+def kv_sources(k, v, tma, block_n=None):
+    """k and v [B, Hkv, S, D] as the kernel reads them: the tensors, or (tma) descriptors over [B * Hkv, S, D].
+
+    The descriptors' tiles are [1, block_n, D]; autotuned (block_n=None), a config's pre-hook sets them.
+    """
+    if not tma:
+        return k, v
+    batch, kv_heads, s, d = k.shape
+    return tuple(TensorDescriptor.from_tensor(x.view(batch * kv_heads, s, d), [1, block_n or 16, d]) for x in (k, v))
+
+
 def lpt_attention(q, k, v, query_offset=None, causal=True, persistent=True, head_group=None, block_m=None,
                   block_n=None, **launch):
     """fast_attention (exp2, diagonal split, descriptors) with its work items in longest-first order.
@@ -541,10 +562,7 @@ def lpt_attention(q, k, v, query_offset=None, causal=True, persistent=True, head
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)                                                  # [B, Hq, T, D]
     tma = tma_supported(q)
-    k_arg, v_arg = k, v
-    if tma:
-        k_arg, v_arg = (TensorDescriptor.from_tensor(x.view(batch * kv_heads, s, d), [1, block_n or 16, d]) for x in (k, v))
-    args = (q, k_arg, v_arg, o,
+    args = (q, *kv_sources(k, v, tma, block_n), o,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -783,3 +801,97 @@ def fp8_attention(q, k, v, causal=True, query_offset=None, rotation=None):
         raise ValueError("the FP8 kernel needs tensor descriptors (Triton 3.4 or later)")
     out_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
     return fp8_forward(prepare_fp8(q, k, v, rotation), causal, query_offset, out_dtype)
+
+
+@triton.jit
+def fast_lse_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,              # q [B, Hq, T, D], k and v [B, Hkv, S, D] (USE_TMA: descriptors), o like q
+    lse_ptr,                                 # lse [B, Hq, T] FP32, contiguous: each row's log-sum-exp (natural log)
+    stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query
+    stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
+    stride_vb, stride_vh, stride_vs,         # v's strides over batch, KV head and key
+    stride_ob, stride_oh, stride_ot,         # o's strides over batch, head and query
+    T, S, offset,                            # queries, keys, position of query 0 (may be negative)
+    q_heads, group,                          # Hq; Hq // Hkv
+    qk_scale,                                # log2(e) / sqrt(D)
+    D: tl.constexpr,                         # head dimension, a power of two >= 16
+    BLOCK_M: tl.constexpr,                   # queries per program
+    BLOCK_N: tl.constexpr,                   # keys per tile
+    CAUSAL: tl.constexpr,                    # hide keys after the query's position
+    USE_TMA: tl.constexpr,                   # K and V through tensor descriptors
+    WARP_SPECIALIZE: tl.constexpr,           # tl.range's warp specialization on the key loops
+):
+    """fast_fwd_kernel's grid and order (each head's longest query block first); the block also writes lse."""
+    block = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)                                # which (batch, query head)
+    h = bh % q_heads
+    _attend_block(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr + bh * T, block, bh // q_heads, h, h // group,
+                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
+                  stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_ot,
+                  T, S, offset, q_heads // group, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, True, WARP_SPECIALIZE)
+
+
+LSE_CONFIGS = [  # (BLOCK_M, BLOCK_N, warps, stages, warp specialization): the fast kernel's configs
+    (64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 64, 8, 3, False), (128, 64, 8, 4, False),
+    (128, 128, 8, 3, False),
+]
+HOPPER_LSE_CONFIGS = [(128, 128, 8, 3, True)]  # warp-specialized: compiled and measured on the H200 only
+
+
+def _lse_configs():
+    """LSE_CONFIGS as triton.Config, with HOPPER_LSE_CONFIGS on Hopper (one small config on a CPU)."""
+    if runtime.current().interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "WARP_SPECIALIZE": False}, num_warps=4, num_stages=1,
+                              pre_hook=_fit_descriptors)]
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws}, num_warps=w, num_stages=st,
+                          pre_hook=_fit_descriptors) for bm, bn, w, st, ws in LSE_CONFIGS + hopper * HOPPER_LSE_CONFIGS]
+
+
+fast_lse_tuned = triton.autotune(configs=_lse_configs(), key=["T", "S", "D", "group", "CAUSAL"])(fast_lse_kernel)
+
+
+def fast_attention_lse(q, k, v, query_offset=None, causal=True, block_m=None, block_n=None, warp_specialize=False,
+                       **launch):
+    """(o, lse): attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D], and lse [B, Hq, T] in FP32 (natural log).
+
+    06's flash_attention_lse at the fast kernel's speed: query i sits at query_offset + i (default S - T),
+    key j at j; a query that sees no key (a negative offset puts it before key 0) gets o = 0 and
+    lse = -inf. No window. Without block_m and block_n, autotuned over LSE_CONFIGS; with them, the
+    kernel runs as given, with `warp_specialize` and `launch` (num_warps, num_stages).
+    """
+    _check_inputs(q, k, v)
+    if (block_m is None) != (block_n is None):
+        raise ValueError("give both block_m and block_n, or neither (autotuned)")
+    batch, q_heads, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    offset = s - t if query_offset is None else int(query_offset)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)                                                  # [B, Hq, T, D]
+    lse = torch.empty(batch, q_heads, t, device=q.device, dtype=torch.float32)  # [B, Hq, T]
+    tma = tma_supported(q)
+    args = (q, *kv_sources(k, v, tma, block_n), o, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            t, s, offset, q_heads, q_heads // kv_heads, LOG2E / math.sqrt(d))
+    if block_m is None:
+        grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731  (blocks from the config)
+        fast_lse_tuned[grid](*args, D=d, CAUSAL=causal, USE_TMA=tma, **launch)
+    else:
+        fast_lse_kernel[(triton.cdiv(t, block_m), batch * q_heads)](
+            *args, D=d, CAUSAL=causal, USE_TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n,
+            WARP_SPECIALIZE=warp_specialize, **launch)
+    return o, lse
+
+
+def short_cache_splits(batch, kv_heads, s, device):
+    """decode_splits' one wave of programs, with chunks as short as one tile of the split kernel (not 512 keys).
+
+    Measured on the H200 at B = 1, Hkv = 8: every split count from 8 to 64, with six launches of the split
+    kernel, from S = 1k to 16k; this rule picked the best count at every S, with decode_launch's launch.
+    """
+    device = torch.device(device)
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(processors // (batch * kv_heads), triton.cdiv(s, decode_launch(device)["BLOCK_N"])))
