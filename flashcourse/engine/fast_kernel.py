@@ -8,6 +8,7 @@ import math
 import torch
 
 from flashcourse import runtime
+from flashcourse.positions import check_kernel_inputs as _check_inputs  # 04's checks, given
 
 runtime.setup(quiet=True)  # before Triton is imported: on a CPU this turns on its interpreter
 
@@ -188,20 +189,6 @@ def tma_supported(q) -> bool:
 # The same kernel, its block sizes and launch chosen by timing each config once per key.
 fast_fwd_tuned = triton.autotune(configs=_prefill_configs(), key=["T", "S", "D", "group", "CAUSAL", "WINDOWED"])(
     fast_fwd_kernel)
-
-
-def _check_inputs(q, k, v):
-    """04's checks, before anything is launched: one device, matching shapes, Hq % Hkv == 0, D = 2^n >= 16."""
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
-    batch, q_heads, _, d = q.shape
-    _, kv_heads, _, _ = k.shape
-    if tuple(v.shape) != tuple(k.shape) or k.shape[0] != batch or k.shape[3] != d:
-        raise ValueError(f"expected k and v of shape [{batch}, Hkv, S, {d}], got {list(k.shape)} and {list(v.shape)}")
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"the head dimension must be a power of two >= 16 (tl.dot and tl.arange need it), got {d}")
 
 
 def fast_attention(q, k, v, query_offset=None, block_m=None, block_n=None, window=None, causal=True,
