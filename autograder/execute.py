@@ -6,9 +6,10 @@ jail (autograder/jail.py), and runs each test cell in this process, the grader's
 function replaced by a `Remote`: calling it sends the inputs to the jail, where the learner's
 function runs, and brings back its answer as data (autograder/wire.py). Test code, seeds and
 expected answers never enter the jail; checks run on this side's torch and reference, which no
-learner code has touched. Measurements that grade are taken here too: memory by limiting the
-runner's address space from outside (`Remote.limited_call`), the launch of a Triton kernel by the
-structure of the learner's code (autograder/launches.py).
+learner code has touched. Measurements that grade are taken here too: memory by limiting, from
+outside, the address space of a process the runner forks for the call while the rest of the jail is
+stopped (`Remote.limited_call`), so the notebook's kernel goes on afterwards with its own limits; the
+launch of a Triton kernel by the structure of the learner's code (autograder/launches.py).
 
 A kernel that dies or runs past a cell's time limit is replaced by a fresh jail, into which the
 learner's cells that had run are run again, so one bad cell costs only its own tests. What went
@@ -37,6 +38,10 @@ MAX_TEXT = 100_000                       # characters of output kept per stream
 MAX_IMAGES = 8                           # PNGs kept per cell
 MAX_IMAGE_BYTES = 4 << 20
 MAX_NOTEBOOK_OUTPUT = 32 << 20           # bytes of output kept for the whole notebook
+# A given cell tagged DEMO only shows something (a plot, a measurement) and defines nothing later cells
+# use: grading leaves it out while its code is the one handed out, and says so in its output.
+DEMO = "demo"
+NOT_RUN = "[not run while grading: this cell only demonstrates, and no test depends on it]\n"
 # Exceptions the learner's function may raise as themselves; any other becomes a RuntimeError with its name.
 PASSED_THROUGH = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, AssertionError, RuntimeError,
                                           ZeroDivisionError, IndexError, KeyError, OverflowError, ArithmeticError)}
@@ -124,10 +129,13 @@ class Session:
         self.restarts += 1
         self.anomalies.append(why + (f"; it had left {left} process(es) running" if left else ""))
 
-    def _ask(self, request: dict, tensors: dict | None, deadline: float, what: str) -> tuple[dict, dict]:
+    def _ask(self, request: dict, tensors: dict | None, deadline: float, what: str,
+             address_space: int | None = None) -> tuple[dict, dict]:
         kernel = self.kernel_now()
         try:
-            return kernel.ask(request, tensors, deadline)
+            if address_space is None:
+                return kernel.ask(request, tensors, deadline)
+            return self._measured(kernel, request, tensors, deadline, address_space)
         except wire.TimedOut:
             self._lose(f"{what} ran past its time limit ({self.cell_timeout} s); the kernel was stopped and restarted")
             raise KernelLost(f"it ran past the time limit of {self.cell_timeout} s (an endless loop?)") from None
@@ -137,6 +145,21 @@ class Session:
         except wire.Malformed as error:
             self._lose(f"the kernel answered {what} with a malformed message ({error}); it was restarted")
             raise KernelLost(f"the kernel's answer was malformed: {error}") from None
+
+    @staticmethod
+    def _measured(kernel: jail.Jail, request: dict, tensors: dict | None, deadline: float,
+                  address_space: int) -> tuple[dict, dict]:
+        """The call answered by a child of the runner under `address_space` (jail.Jail.measured_child). A
+        child that ends without an answer failed under the limit: that is the call's answer, not a lost kernel."""
+        try:
+            with kernel.measured_child(address_space, deadline) as child:
+                try:
+                    return kernel.ask_child(child, request, tensors, deadline)
+                except wire.Closed:
+                    return {"raised": ["MemoryError", "its process ended without an answer (killed or crashed "
+                                                      "under the limit)"]}, {}
+        except jail.MeasurementRefused as refused:
+            return {"raised": ["MemoryError", str(refused)]}, {}
 
     def run_cell(self, code: str, label: str) -> list:
         """Run a learner cell in the jail; its outputs as nbformat outputs."""
@@ -172,15 +195,7 @@ class Session:
         if ranks is not None:
             request["ranks"] = ranks
         try:
-            if address_space is None:
-                answer, out = self._ask(request, tensors, self.deadline, f"a call of {name}")
-            else:
-                kernel = self.kernel_now()
-                with kernel.memory_limited(address_space):
-                    answer, out = self._ask(request, tensors, self.deadline, f"a call of {name}")
-                if kernel.spent and self.kernel is kernel:  # its limits stay low: a fresh kernel takes over
-                    kernel.close()
-                    self.kernel = None
+            answer, out = self._ask(request, tensors, self.deadline, f"a call of {name}", address_space)
         except KernelLost as lost:
             raise AssertionError(f"{name} could not be graded on this input: {lost}") from None
         if isinstance(answer.get("stdout"), str) and answer["stdout"]:
@@ -226,9 +241,9 @@ class Remote:
         return self.session.call(self.name, args, kwargs)
 
     def limited_call(self, allowance: int, *args, **kwargs):
-        """The call, with the runner's address space limited to `allowance` bytes more than it had at
-        start-up and no new process or thread allowed (flashcourse.memory's protocol for measuring from
-        outside). MemoryError when the kernel already holds more, or the call raised under the limit."""
+        """The call, in a process whose address space is limited to `allowance` bytes more than the runner
+        had at start-up, with no new process or thread allowed (flashcourse.memory's protocol for measuring
+        from outside). MemoryError when the kernel already holds more, or the call failed under the limit."""
         kernel = self.session.kernel_now()
         held = jail.vm_size(kernel.pid) - kernel.start_size
         if held > allowance // 2:
@@ -281,6 +296,7 @@ class JailedExecute(NbGraderPreprocessor):
         if no_jail:
             session.anomalies.append(f"graded WITHOUT a jail (trusted notebook): {no_jail.split('. ')[0]}")
         stand_ins = {n: Refused(n, refused[n]) if n in refused else Remote(n, session) for n in names}
+        demos = {c.get("id"): c.source for c in source.cells if c.cell_type == "code" and DEMO in c.metadata.get("tags", [])}
         try:
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
@@ -289,6 +305,8 @@ class JailedExecute(NbGraderPreprocessor):
                 if grade_id in tests:
                     cell.source = tests.pop(grade_id)
                     cell.outputs = self._run_test(grade_id, cell.source, stand_ins, session)
+                elif cell.get("id") in demos and cell.source == demos[cell.get("id")]:
+                    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=NOT_RUN)]
                 else:
                     cell.outputs = session.run_cell(cell.source, f"cell {index + 1}")
                 cell.execution_count = None

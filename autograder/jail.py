@@ -12,6 +12,11 @@ What the learner's code sees and can do, by construction:
 - limits on CPU time, address space, processes, file size and open files (`Limits`).
 The grader talks to the runner inside over two pipes (autograder/wire.py) and shares no writable
 file with it. Where no jail can be built, `why_no_jail()` says why and how to get one.
+
+A kernel starts in one of two ways with the same properties: bubblewrap starts a fresh interpreter
+(about 1.5 s of imports), or, where the grader is root, a warm `Template` (autograder/forkserver.py,
+jailed itself) forks it with torch and IPython already imported, and the fork builds its own
+namespaces, mounts, limits and identity before the notebook runs (about 0.1 s).
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -54,6 +60,10 @@ class Limits:
 
 class NoJail(RuntimeError):
     """No jail can be built on this machine."""
+
+
+class MeasurementRefused(RuntimeError):
+    """The jail's processes did not follow the protocol of a measured call."""
 
 
 HOW_TO_GET_ONE = ("Install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap) "
@@ -99,18 +109,30 @@ def _identity() -> list[str]:
     return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
 
 
+def _jail_uid() -> int:
+    """The uid of the kernels this process starts as root: one no other grading process uses."""
+    return JAIL_UID_BASE + os.getpid() % JAIL_UID_BASE
+
+
 def _become_unprivileged() -> list[str]:
     if os.geteuid() != 0:
         return []
-    uid = str(JAIL_UID_BASE + os.getpid() % JAIL_UID_BASE)
+    uid = str(_jail_uid())
     return ["/usr/bin/setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--bounding-set=-all",
             "--inh-caps=-all", "--no-new-privs", "--"]
 
 
-def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits()) -> list[str]:
+# What the kernel template keeps of root's power: building namespaces and mounts, bringing up a loopback
+# interface, and dropping capabilities and identity in each kernel it forks (autograder/forkserver.py).
+TEMPLATE_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
+
+
+def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits(), template: bool = False) -> list[str]:
+    identity = ["--cap-drop", "ALL", *(x for cap in TEMPLATE_CAPABILITIES for x in ("--cap-add", cap))] \
+        if template else _identity()
     argv = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--as-pid-1",
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--hostname", "grading", *_identity()]
+            "--hostname", "grading", *identity]
     for top in ("/usr", "/etc"):
         argv += ["--ro-bind", top, top]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -133,7 +155,7 @@ def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits())
     argv += ["--chdir", "/tmp"]
     if status_fd is not None:
         argv += ["--json-status-fd", str(status_fd)]
-    return argv + ["--", *_become_unprivileged()]
+    return argv + ["--", *([] if template else _become_unprivileged())]
 
 
 def _traversable(path: Path) -> list[str]:
@@ -149,7 +171,7 @@ def _library(into: Path) -> Path:
     """The runner, the wire format and the kept flashcourse modules, readable by the jail's uid."""
     library = into / "library"
     (library / "flashcourse").mkdir(parents=True)
-    for name in ("runner.py", "wire.py"):
+    for name in ("runner.py", "wire.py", "inline_plots.py", "forkserver.py"):
         shutil.copy(ROOT / "autograder" / name, library / name)
     for name in KEPT_MODULES:
         shutil.copy(ROOT / "flashcourse" / name, library / "flashcourse" / name)
@@ -169,7 +191,8 @@ def _environment(limits: Limits, gpu: bool) -> dict[str, str]:
     threads = str(limits.threads)
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp",
            "PYTHONPATH": LIBRARY, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8",
-           "MPLCONFIGDIR": "/tmp/.matplotlib", "TRITON_CACHE_DIR": "/tmp/.triton",
+           "MPLCONFIGDIR": "/tmp/.matplotlib",
+           "MPLBACKEND": "module://inline_plots", "TRITON_CACHE_DIR": "/tmp/.triton",
            "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
            "FLASHCOURSE_WITHHELD": ",".join(["autograder", *_withheld_modules()])}
     if gpu and "CUDA_VISIBLE_DEVICES" in os.environ:
@@ -187,21 +210,15 @@ def _set_limits(limits: Limits, gpu: bool):
     return apply
 
 
-def _limits_of(pid: int) -> dict | None:
-    """pid's address-space and process limits, or None where this process may not use prlimit(2) on it."""
-    try:
-        return {kind: resource.prlimit(pid, kind) for kind in (resource.RLIMIT_AS, resource.RLIMIT_NPROC)}
-    except PermissionError:
-        return None
-
-
-def _lower_limits(pid: int, address_space: int, processes: int, direct: bool) -> None:
+def _lower_limits(pid: int, address_space: int, processes: int) -> None:
     """Lower pid's hard limits. prlimit(2) on another uid's process needs CAP_SYS_RESOURCE, which root
     lacks in some containers; a process of the jail's own uid may always lower them, so root lends one."""
-    if direct:
+    try:
         resource.prlimit(pid, resource.RLIMIT_AS, (address_space, address_space))
         resource.prlimit(pid, resource.RLIMIT_NPROC, (processes, processes))
         return
+    except PermissionError:
+        pass
     uid = str(os.stat(f"/proc/{pid}").st_uid)
     subprocess.run(["/usr/bin/setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--",
                     "/usr/bin/prlimit", "--pid", str(pid), f"--as={address_space}:{address_space}",
@@ -237,19 +254,134 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _first_pid(status_fd: int) -> int | None:
+    """The pid of a jail's first process (--as-pid-1), from bubblewrap's JSON status; None if none came."""
+    text, deadline = b"", time.monotonic() + START_TIMEOUT_S
+    while b"}" not in text and time.monotonic() < deadline:
+        if select.select([status_fd], [], [], 1.0)[0]:
+            chunk = os.read(status_fd, 4096)
+            if not chunk:
+                break
+            text += chunk
+    try:
+        return int(json.loads(text[:text.index(b"}") + 1])["child-pid"])
+    except (ValueError, KeyError):
+        return None
+
+
+TEMPLATE_ENV = "FLASHCOURSE_KERNEL_TEMPLATE"  # "control fd,pid" of a Template, for the processes it was started for
+
+
+class TemplateGone(Exception):
+    """The kernel template cannot start a kernel (it has ended, or it answered with an error)."""
+
+
+class Template:
+    """A warm template of notebook kernels in a jail of its own (autograder/forkserver.py): `spawn` forks a
+    kernel with torch and IPython already imported, in namespaces and under a uid of its own. Only a
+    root grader can have one: bubblewrap keeps capabilities only for root. It ends with the process that
+    started it; processes forked after `export` (the warm server's commands) find it in TEMPLATE_ENV."""
+
+    def __init__(self, limits: Limits = Limits()):
+        if os.geteuid() != 0:
+            raise NoJail("a kernel template needs a root grader")
+        self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-template-"))
+        control, inside = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        status_in, status_out = os.pipe()
+        self.log = tempfile.TemporaryFile(dir=self.folder)
+        self.process = subprocess.Popen(
+            [*_bwrap_argv(_library(self.folder), status_out, limits, template=True), sys.executable,
+             f"{LIBRARY}/forkserver.py", str(inside.fileno())],
+            env=_environment(limits, any(Path("/dev").glob("nvidia*"))), cwd="/tmp", stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=self.log, pass_fds=(inside.fileno(), status_out), start_new_session=True)
+        inside.close()
+        os.close(status_out)
+        self.pid = _first_pid(status_in) or 0
+        os.close(status_in)
+        self.control = control
+        control.settimeout(START_TIMEOUT_S)
+        try:
+            ready = control.recv(4096)
+        except OSError:
+            ready = b""
+        control.settimeout(None)
+        if ready != b'{"ready": true}' or not self.pid:
+            self.close()
+            self.log.seek(0)
+            raise NoJail(f"the kernel template did not start: {self.log.read()[-2000:].decode(errors='replace')}")
+
+    @classmethod
+    def inherited(cls) -> "Template | None":
+        """The template this process was given through TEMPLATE_ENV, if any."""
+        try:
+            fd, pid = (int(x) for x in os.environ[TEMPLATE_ENV].split(","))
+            os.fstat(fd)
+        except (KeyError, ValueError, OSError):
+            return None
+        template = cls.__new__(cls)
+        template.control, template.pid, template.process = socket.socket(fileno=os.dup(fd)), pid, None
+        return template
+
+    def export(self) -> None:
+        """Let the processes this one forks from now on start their kernels from this template."""
+        os.environ[TEMPLATE_ENV] = f"{self.control.fileno()},{self.pid}"
+
+    def spawn(self, limits: Limits, gpu: bool, in_fd: int, out_fd: int, log_fd: int) -> int:
+        """Fork a kernel reading in_fd and writing out_fd; its pid as this machine sees it."""
+        request = {"uid": _jail_uid(), "limits": asdict(limits), "gpu": gpu}
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with mine:
+            try:
+                socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno(), in_fd, out_fd, log_fd])
+            except OSError as error:
+                raise TemplateGone(f"the kernel template is gone ({error})") from None
+            finally:
+                theirs.close()
+            mine.settimeout(START_TIMEOUT_S)
+            try:
+                answer = json.loads(mine.recv(4096) or b"{}")
+            except (OSError, ValueError):
+                answer = {}
+        if not isinstance(answer.get("pid"), int):
+            raise TemplateGone(f"the kernel template did not fork a kernel: {answer.get('error', 'no answer')}")
+        for pid in descendants(self.pid):  # its pid in the template's namespace, as this machine numbers it
+            try:
+                spaces = next(line.split()[1:] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                              if line.startswith("NSpid:"))
+            except (OSError, StopIteration):
+                continue
+            if len(spaces) >= 2 and int(spaces[1]) == answer["pid"]:
+                return pid
+        raise TemplateGone("the kernel the template forked could not be found")
+
+    def close(self) -> None:
+        self.control.close()
+        if self.process is not None:
+            with _gone_is_fine():
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class Jail:
     """One notebook's kernel in a jail (or, for trusted notebooks where none can be built, without one)."""
 
-    def __init__(self, limits: Limits = Limits(), jailed: bool = True):
+    def __init__(self, limits: Limits = Limits(), jailed: bool = True, template: Template | None = None):
         self.limits, self.jailed = limits, jailed
+        self.template = (template or Template.inherited()) if jailed else None
         self.gpu = any(Path("/dev").glob("nvidia*"))
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | None = None   # bubblewrap, for a kernel it started
+        self.pidfd = -1         # the runner's, for a kernel forked by the template
         self.pid = 0            # the runner's pid, as this machine sees it
         self.start_size = 0     # the runner's address space once started, before any notebook code
-        self.spent = False      # limits were lowered for a measurement and could not be raised again
         self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
 
     def start(self) -> None:
+        if self.template is not None:
+            try:
+                return self._start_from_template()
+            except TemplateGone:
+                self.template = None  # bubblewrap then starts a kernel the slow way, with the same properties
         grader_in, jail_out = os.pipe()
         jail_in, grader_out = os.pipe()
         status_in, status_out = os.pipe()
@@ -270,29 +402,37 @@ class Jail:
         for fd in (jail_in, jail_out, status_out):
             os.close(fd)
         self.reader, self.writer = grader_in, grader_out
-        self.pid = self._runner_pid(status_in) if self.jailed else self.process.pid
+        self.pid = (_first_pid(status_in) or 0) if self.jailed else self.process.pid
         os.close(status_in)
+        if not self.pid:
+            self.close()
+            raise NoJail(f"bubblewrap did not start the jail: {self._log_tail()}")
+        self._wait_until_ready()
+
+    def _start_from_template(self) -> None:
+        grader_in, jail_out = os.pipe()
+        jail_in, grader_out = os.pipe()
+        self.log = tempfile.TemporaryFile(dir=self.folder)
+        self.reader, self.writer = grader_in, grader_out
+        try:
+            self.pid = self.template.spawn(self.limits, self.gpu, jail_in, jail_out, self.log.fileno())
+            self.pidfd = os.pidfd_open(self.pid)  # signals reach this kernel, never a later process given its pid
+        except (TemplateGone, ProcessLookupError):
+            self.close()
+            self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
+            raise TemplateGone("the kernel the template forked has already ended") from None
+        finally:
+            os.close(jail_in)
+            os.close(jail_out)
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
         try:
             wire.receive(self.reader, time.monotonic() + START_TIMEOUT_S)
         except (wire.Closed, wire.TimedOut, wire.Malformed):
             self.close()
             raise NoJail(f"the grading kernel did not start: {self._log_tail()}") from None
         self.start_size = vm_size(self.pid)
-
-    def _runner_pid(self, status_fd: int) -> int:
-        """bwrap reports the pid of the jail's first process (the runner: --as-pid-1) as JSON."""
-        text, deadline = b"", time.monotonic() + START_TIMEOUT_S
-        while b"}" not in text and time.monotonic() < deadline:
-            if select.select([status_fd], [], [], 1.0)[0]:
-                chunk = os.read(status_fd, 4096)
-                if not chunk:
-                    break
-                text += chunk
-        try:
-            return int(json.loads(text[:text.index(b"}") + 1])["child-pid"])
-        except (ValueError, KeyError):
-            self.close()
-            raise NoJail(f"bubblewrap did not start the jail: {self._log_tail()}") from None
 
     def _log_tail(self) -> str:
         self.log.seek(0, os.SEEK_END)
@@ -311,39 +451,65 @@ class Jail:
         """The jail's processes other than the runner: whatever the notebook started."""
         return descendants(self.pid) if self.pid else []
 
-    @contextmanager
-    def memory_limited(self, address_space: int):
-        """Within: the runner cannot map more than address_space bytes nor start a process or thread,
-        and every other process of the jail is stopped. Set from outside; the notebook cannot lift it.
-
-        Raising a hard limit again needs CAP_SYS_RESOURCE; where the grader lacks it, the limits stay
-        and `spent` becomes True: the kernel should then be replaced before more of the notebook runs.
-        """
-        stopped: set[int] = set()
-        old = _limits_of(self.pid)
-        _lower_limits(self.pid, address_space, processes=0, direct=old is not None)
-        while True:  # until no process escaped the stop by being born during it
+    def _stop_others(self, stopped: set[int]) -> None:
+        """SIGSTOP every process of the jail but the runner, until none escaped by being born meanwhile."""
+        while True:
             fresh = set(self.others()) - stopped
             if not fresh:
-                break
+                return
             for pid in fresh:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGSTOP)
             stopped |= fresh
+
+    @contextmanager
+    def measured_child(self, address_space: int, deadline: float):
+        """Within: a child the runner forks for one measured call is the only process of the jail that runs,
+        and it cannot map more than address_space bytes nor start a process or thread. Everything else is
+        stopped and the limits are set from outside before the child is sent the call; on leaving, the child
+        is killed and the rest go on, the runner with its own limits untouched. Yields the child's pid;
+        raises MeasurementRefused when the jail's processes do not behave as the runner's protocol says.
+        """
+        stopped: set[int] = set()
+        children: set[int] = set()
         try:
-            yield
+            self._stop_others(stopped)
+            answer, _ = self.ask({"op": "fork"}, None, deadline)
+            with _gone_is_fine():
+                os.kill(self.pid, signal.SIGSTOP)
+            stopped.add(self.pid)
+            children = set(self.others()) - stopped
+            if answer != {"forked": True} or len(children) != 1:
+                raise MeasurementRefused("the kernel did not start exactly one process for the measured call")
+            child = next(iter(children))
+            _lower_limits(child, address_space, processes=0)
+            children |= set(self.others()) - stopped
+            if children != {child}:  # it started another before its limits were set
+                raise MeasurementRefused("the kernel started other processes for the measured call")
+            yield child
         finally:
-            try:
-                for kind, value in (old or {}).items():
-                    resource.prlimit(self.pid, kind, value)
-                self.spent = old is None
-            except (PermissionError, ProcessLookupError):
-                self.spent = True
+            for pid in children:
+                with _gone_is_fine():
+                    os.kill(pid, signal.SIGKILL)
             for pid in stopped:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGCONT)
 
+    def ask_child(self, child: int, request: dict, tensors: dict | None, deadline: float) -> tuple[dict, dict]:
+        """ask, answered by the measured child: wire.Closed as soon as the child is gone without an answer
+        (the runner, stopped, still holds the pipes open)."""
+        def there() -> bool:
+            return child in self.others()
+
+        try:
+            wire.send(self.writer, request, tensors, deadline, there)
+        except (BrokenPipeError, OSError):
+            raise wire.Closed() from None
+        return wire.receive(self.reader, deadline, there)
+
     def alive(self) -> bool:
+        if self.pidfd >= 0:  # forked by the template: the descriptor becomes readable when it ends
+            return not select.select([self.pidfd], [], [], 0)[0]
         return self.process is not None and self.process.poll() is None
 
     def close(self) -> int:
@@ -353,9 +519,15 @@ class Jail:
             with _gone_is_fine():
                 os.close(getattr(self, fd))
             setattr(self, fd, -1)
+        if self.pidfd >= 0:  # pid 1 of the jail: its namespace ends with it
+            with _gone_is_fine():
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            select.select([self.pidfd], [], [], 10)
+            os.close(self.pidfd)
+            self.pidfd = -1
         if self.process is not None:
             with _gone_is_fine():
-                os.kill(self.pid, signal.SIGKILL)   # pid 1 of the jail: its namespace ends with it
+                os.kill(self.pid, signal.SIGKILL)
             with _gone_is_fine():
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()

@@ -8,6 +8,9 @@ It reads requests from IN_FD and answers on OUT_FD, in autograder/wire.py's form
     the same with "ranks": {"backend": ..., "timeout_s": ...}: args is one list of arguments per rank, and
     the function is called on every rank of a process group (flashcourse.distributed); the value is
     the list of the ranks' answers
+    {"op": "fork"}: a child of this process answers {"forked": true}, then reads one "call" request and
+    answers it, while this process waits for it to end. The grader stops every other process of the
+    jail and limits the child's memory from outside before it sends that request (a measured call).
 Everything here runs beside the learner's code, which can change any of it: the grader trusts none
 of what comes back beyond its format. Test code and expected answers never come here, only the
 inputs the grader's tests call the learner's functions with.
@@ -50,10 +53,6 @@ def start_shell():
 
     shell = InteractiveShell.instance()
     shell.showtraceback = lambda *args, **kwargs: None   # the error goes back as data, not as printed text
-    try:
-        shell.enable_matplotlib("inline")                # figures come back as PNG outputs, as in Jupyter
-    except Exception:
-        pass
     return shell
 
 
@@ -75,6 +74,13 @@ def run(shell, code: str) -> dict:
 
     with capture_output() as captured:
         result = shell.run_cell(code, store_history=True)
+        if "matplotlib.pyplot" in sys.modules:  # figures come back as PNG outputs, as in Jupyter
+            try:
+                import inline_plots
+
+                inline_plots.display_open_figures()
+            except Exception:
+                pass
     error = result.error_before_exec or result.error_in_exec
     return {"outputs": outputs_of(captured),
             "error": [type(error).__name__, str(error)[:2000]] if error is not None else None}
@@ -105,6 +111,37 @@ def call(shell, request: dict, tensors: dict) -> tuple[dict, dict]:
     return {"value": wire.encode(value, out), "stdout": captured.stdout[:MAX_TEXT]}, out
 
 
+def answer(shell, request: dict, tensors: dict, out_fd: int) -> None:
+    try:
+        if request.get("op") == "run":
+            document, out = run(shell, str(request.get("code", ""))), {}
+        else:
+            document, out = call(shell, request, tensors)
+    except Exception as error:  # the runner itself failed (e.g. an unsendable value): say so
+        document, out = {"failed": [type(error).__name__, str(error)[:2000] or traceback.format_exc()[-2000:]]}, {}
+    try:
+        wire.send(out_fd, document, out)
+    except Exception as error:
+        wire.send(out_fd, {"failed": [type(error).__name__, str(error)[:2000]]})
+
+
+def measured_call(shell, in_fd: int, out_fd: int) -> None:
+    """A child answers one call under the limits the grader sets from outside; this process waits for it."""
+    child = os.fork()
+    if child == 0:
+        try:
+            import torch
+
+            torch.set_num_threads(1)  # no thread may start once the limits are set; this one does the work
+            wire.send(out_fd, {"forked": True})
+            request, tensors = wire.receive(in_fd)
+            if request.get("op") == "call":
+                answer(shell, request, tensors, out_fd)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+
+
 def main(in_fd: int, out_fd: int) -> None:
     sys.meta_path.append(Withheld())
     import torch  # noqa: F401  (imported before the notebook: part of the start-up the grader measures)
@@ -117,19 +154,12 @@ def main(in_fd: int, out_fd: int) -> None:
             request, tensors = wire.receive(in_fd)
         except wire.Closed:
             return
-        try:
-            if request.get("op") == "run":
-                answer, out = run(shell, str(request.get("code", ""))), {}
-            elif request.get("op") == "call":
-                answer, out = call(shell, request, tensors)
-            else:
-                return
-        except Exception as error:  # the runner itself failed (e.g. an unsendable value): say so
-            answer, out = {"failed": [type(error).__name__, str(error)[:2000] or traceback.format_exc()[-2000:]]}, {}
-        try:
-            wire.send(out_fd, answer, out)
-        except Exception as error:
-            wire.send(out_fd, {"failed": [type(error).__name__, str(error)[:2000]]})
+        if request.get("op") in ("run", "call"):
+            answer(shell, request, tensors, out_fd)
+        elif request.get("op") == "fork":
+            measured_call(shell, in_fd, out_fd)
+        else:
+            return
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ process group, under the grading memory limit, writing its log to a file of the 
 and ends with the command; the next command gets a new child. So no two commands, and no two
 students, share a process: each child starts from the same template, which runs no notebook and no
 learner code at all (the learner's cells run in the jail, started by the child: autograder/jail.py).
-The template starts no thread and touches no GPU before it forks.
+The template starts no thread and touches no GPU before it forks. Where the grader is root, it also
+starts a warm template of the notebooks' kernels (jail.Template), so each jailed kernel is forked
+with torch already imported instead of starting a fresh interpreter.
 
 The caller's side, `Server`, is created lazily, shared by the threads of one process, restarted if
 it dies, and stopped at exit (its children are then killed with it).
@@ -88,9 +90,25 @@ def _run_command(request: dict, closing: list[int]) -> int:
     return code
 
 
+def _start_kernel_template():
+    """Where the grader is root and can build a jail, a warm template for the notebooks' kernels, which the
+    commands forked from here find (autograder/jail.py `Template`); elsewhere None: each kernel starts cold."""
+    from autograder import jail
+
+    if os.geteuid() != 0 or jail.why_no_jail() is not None:
+        return None
+    try:
+        template = jail.Template()
+    except jail.NoJail:
+        return None
+    template.export()
+    return template
+
+
 def serve(requests_fd: int = 0, answers_fd: int = 1) -> None:
     """The server's loop: fork a child per request, report its pid and, once reaped, its exit status."""
     _preload()
+    template = _start_kernel_template()  # noqa: F841  (kept referenced: it lives as long as the server)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
@@ -112,7 +130,8 @@ def serve(requests_fd: int = 0, answers_fd: int = 1) -> None:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if not pid:
                 break
-            answer({"id": children.pop(pid), "code": os.waitstatus_to_exitcode(status)})
+            if pid in children:  # not the kernel template, which is a child too
+                answer({"id": children.pop(pid), "code": os.waitstatus_to_exitcode(status)})
         if requests_fd not in ready:
             continue
         chunk = os.read(requests_fd, 1 << 16)

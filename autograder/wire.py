@@ -146,19 +146,48 @@ def pack(document: dict, tensors: dict | None = None) -> bytes:
     return HEADER.pack(len(text), len(blob)) + text + blob
 
 
-def send(fd: int, document: dict, tensors: dict | None = None) -> None:
+POLL_S = 0.5  # how often a wait checks that the other side is still there
+
+
+def _wait(fd: int, writing: bool, deadline: float | None, there) -> None:
+    """Until fd is ready; TimedOut past the deadline, Closed once `there()` says the other side is gone."""
+    while True:
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and wait <= 0:
+            raise TimedOut()
+        if there is not None:
+            wait = POLL_S if wait is None else min(wait, POLL_S)
+        if select.select([] if writing else [fd], [fd] if writing else [], [], wait)[0 if not writing else 1]:
+            return
+        if there is not None and not there():
+            raise Closed()
+
+
+def send(fd: int, document: dict, tensors: dict | None = None, deadline: float | None = None, there=None) -> None:
+    """Write one message. With a deadline or `there` (a function saying whether the reader is still alive,
+    for a reader that may die while others hold the pipe open), each write waits only that long."""
     data = memoryview(pack(document, tensors))
-    while data:
-        data = data[os.write(fd, data):]
+    if deadline is None and there is None:
+        while data:
+            data = data[os.write(fd, data):]
+        return
+    os.set_blocking(fd, False)   # a write never waits longer than _wait allows
+    try:
+        while data:
+            _wait(fd, True, deadline, there)
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:
+                pass
+    finally:
+        os.set_blocking(fd, True)
 
 
-def _read_exactly(fd: int, size: int, deadline: float | None) -> bytes:
+def _read_exactly(fd: int, size: int, deadline: float | None, there=None) -> bytes:
     chunks, left = [], size
     while left:
-        if deadline is not None:
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
-                raise TimedOut()
+        if deadline is not None or there is not None:
+            _wait(fd, False, deadline, there)
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
             raise Closed()
@@ -167,13 +196,14 @@ def _read_exactly(fd: int, size: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def receive(fd: int, deadline: float | None = None) -> tuple[dict, dict]:
-    """(document, tensors) of the next message; Malformed, TimedOut or Closed otherwise."""
-    text_size, blob_size = HEADER.unpack(_read_exactly(fd, HEADER.size, deadline))
+def receive(fd: int, deadline: float | None = None, there=None) -> tuple[dict, dict]:
+    """(document, tensors) of the next message; Malformed, TimedOut or Closed otherwise (Closed also when
+    `there`, if given, says the writer is gone)."""
+    text_size, blob_size = HEADER.unpack(_read_exactly(fd, HEADER.size, deadline, there))
     if text_size > MAX_JSON_BYTES or blob_size > MAX_BLOB_BYTES:
         raise Malformed(f"a message of {text_size + blob_size} bytes, over the limit")
-    text = _read_exactly(fd, text_size, deadline)
-    blob = _read_exactly(fd, blob_size, deadline)
+    text = _read_exactly(fd, text_size, deadline, there)
+    blob = _read_exactly(fd, blob_size, deadline, there)
     try:
         document = json.loads(text)
     except (ValueError, RecursionError):

@@ -6,15 +6,34 @@ import time
 
 import pytest
 
-from autograder import ROOT, jail
+from autograder import ROOT, jail, wire
 
 pytestmark = pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
 
 
+@pytest.fixture(scope="module", params=["bubblewrap", "template"])
+def start(request):
+    """Starts a kernel: by bubblewrap itself, or forked from a warm template (a root grader's way)."""
+    template = None
+    if request.param == "template":
+        if os.geteuid() != 0:
+            pytest.skip("a kernel template needs a root grader")
+        template = jail.Template()
+
+    def started() -> jail.Jail:
+        kernel = jail.Jail(template=template)
+        kernel.start()
+        assert (kernel.template is not None) == (template is not None)  # no silent fall back to bubblewrap
+        return kernel
+
+    yield started
+    if template is not None:
+        template.close()
+
+
 @pytest.fixture(scope="module")
-def kernel():
-    started = jail.Jail()
-    started.start()
+def kernel(start):
+    started = start()
     yield started
     started.close()
 
@@ -84,27 +103,55 @@ def test_limits_are_set(kernel):
     assert out.strip() == str(expected)
 
 
-def test_memory_limited_from_outside():
-    """Inside memory_limited, a 1 GiB allocation fails and no process can be started; afterwards both work,
-    unless the kernel says it is spent."""
-    kernel = jail.Jail()
-    kernel.start()
+def test_measured_child_is_limited_from_outside(start):
+    """The measured call's process cannot allocate 1 GiB nor start a process, the rest of the jail is
+    stopped meanwhile, and afterwards the kernel allocates and forks as before with the notebook's state."""
+    import select
+
+    kernel = start()
+    run(kernel, "import os, subprocess, torch\nkept = 42\ndef probe(code):\n    exec(code, globals())\n"
+                "spinner = subprocess.Popen(['sh', '-c', 'while :; do :; done'])")
     code = ("import torch, os\ntry:\n    torch.ones(1 << 28); print('allocated')\nexcept RuntimeError: print('refused')\n"
-            "try:\n    os.fork() or os._exit(0); print('forked')\nexcept OSError: print('no fork')")
-    with kernel.memory_limited(kernel.start_size + (256 << 20)):
-        inside = run(kernel, code)
-    assert inside.split() == ["refused", "no", "fork"]
-    if not kernel.spent:  # raising a hard limit again needs CAP_SYS_RESOURCE, which the grader may lack
-        assert run(kernel, code).split() == ["allocated", "forked"]
+            "try:\n    os.fork() or os._exit(0); print('forked')\nexcept OSError: print('no fork')\nprint(kept)")
+    spinner = kernel.others()[0]
+    with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
+        assert open(f"/proc/{spinner}/stat").read().rsplit(")", 1)[1].split()[0] == "T"   # stopped
+        request = {"op": "call", "name": "probe", "args": wire.encode([code], {}), "kwargs": {"dict": []}}
+        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+    assert not select.select([kernel.reader], [], [], 0.2)[0]   # the runner sent nothing of its own
+    assert answer.get("stdout", "").split() == ["refused", "no", "fork", "42"], answer
+    assert run(kernel, code).split() == ["allocated", "forked", "42"]
     kernel.close()
 
 
-def test_processes_die_with_the_jail():
+def test_processes_die_with_the_jail(start):
     """Processes the notebook detached are counted at the end and do not outlive the jail."""
-    started = jail.Jail()
-    started.start()
+    started = start()
     run(started, "import subprocess\nfor _ in range(3):\n"
                  "    subprocess.Popen(['sleep', '4242'], start_new_session=True)")
     assert started.close() == 3
     time.sleep(0.5)
     assert "sleep 4242" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+
+
+def test_only_its_own_descriptors(kernel):
+    """The kernel holds no socket or pipe but its two pipes to the grader (a template's control socket
+    is closed before the notebook runs)."""
+    out = run(kernel, "import os\nfor fd in os.listdir('/proc/self/fd'):\n"
+                      "    try: print(os.readlink('/proc/self/fd/' + fd))\n    except OSError: pass")
+    held = out.split()
+    assert not [h for h in held if h.startswith("socket:")], held
+    assert len([h for h in held if h.startswith("pipe:")]) == 2, held
+
+
+def test_kernels_of_one_template_share_nothing(start):
+    """Two kernels forked from one template see neither the other's files nor its processes, and one
+    ending leaves the other running."""
+    first, second = start(), start()
+    run(first, "import subprocess\nopen('/tmp/mine', 'w').write('secret')\n"
+               "sleeper = subprocess.Popen(['sleep', '4343'])")
+    out = run(second, "import os\nprint(os.path.exists('/tmp/mine'), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+    assert out.split(" ", 1)[0] == "False" and out.strip().endswith("[1]"), out
+    first.close()
+    assert run(second, "print('still here')").strip() == "still here"
+    second.close()
