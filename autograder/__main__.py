@@ -5,6 +5,8 @@ import os
 import sys
 from pathlib import Path
 
+from flashcourse import DEVICE_ENV
+
 from . import ROOT, build, cluster, grade, jail
 
 SAMPLES = ROOT / "autograder" / "samples" / "submitted"
@@ -29,6 +31,9 @@ def main() -> int:
                    help="grade on a Dask cluster: its scheduler's address (tcp://HOST:8786), whose workers each grade "
                         "in their own jail, or 'local' for a Dask cluster of --jobs processes here "
                         "(default: --jobs threads here)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the tests run the learners' functions: cuda compiles their Triton kernels on a GPU, "
+                        "cpu runs them in Triton's interpreter (default: the GPU if there is one)")
     d = sub.add_parser("demo", help="grade the sample submissions and print the table")
     d.add_argument("--out", type=Path, default=ROOT / "build" / "demo")
     d.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="students graded at once")
@@ -44,6 +49,8 @@ def main() -> int:
     if args.command == "build":
         return build.main(args.assignments, check=args.check, execute_solutions=not args.no_execute)
     submissions = SAMPLES if args.command == "demo" else args.submissions
+    if getattr(args, "device", "auto") != "auto":  # read by flashcourse.runtime here, in nbgrader and in the jail
+        os.environ[DEVICE_ENV] = args.device
     # The samples are the course's own notebooks: the demo may run them without a jail, and says so.
     trusted = args.command == "demo" or args.trusted
     scheduler = getattr(args, "scheduler", None)

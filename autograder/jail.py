@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from flashcourse import DEVICE_ENV
+
 from . import ROOT, wire
 
 LIBRARY = "/opt/flashcourse-grading"   # where the jail sees the runner and the kept modules
@@ -104,8 +106,9 @@ def _identity() -> list[str]:
     """bwrap's options for who the jail's processes are, and what wraps the command."""
     if os.geteuid() == 0:
         # Root builds the namespaces itself, then setpriv becomes a uid nobody else uses and drops every
-        # capability before the runner starts: the learner's code is never root, not even in a namespace.
-        return ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        # capability, the bounding set too (which CAP_SETPCAP allows), before the runner starts: the
+        # learner's code is never root, not even in a namespace.
+        return ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     return ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
 
 
@@ -127,6 +130,11 @@ def _become_unprivileged() -> list[str]:
 TEMPLATE_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 
 
+def gpus() -> list[Path]:
+    """The GPU device files a kernel is given: none when grading is told to run on the CPU."""
+    return [] if os.environ.get(DEVICE_ENV) == "cpu" else sorted(Path("/dev").glob("nvidia*"))
+
+
 def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits(), template: bool = False) -> list[str]:
     identity = ["--cap-drop", "ALL", *(x for cap in TEMPLATE_CAPABILITIES for x in ("--cap-add", cap))] \
         if template else _identity()
@@ -142,9 +150,9 @@ def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits(),
             argv += ["--ro-bind", top, top]
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.tmp_bytes),
              "--tmpfs", "/tmp"]
-    for gpu in sorted(Path("/dev").glob("nvidia*")):
+    for gpu in gpus():
         argv += ["--dev-bind", str(gpu), str(gpu)]
-    if any(Path("/dev").glob("nvidia*")):
+    if gpus():
         argv += ["--ro-bind", "/sys", "/sys"]
     # The Python environment, after /tmp: a clone under /tmp keeps its environment visible.
     for keep in sorted({Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()}):
@@ -197,6 +205,8 @@ def _environment(limits: Limits, gpu: bool) -> dict[str, str]:
            "FLASHCOURSE_WITHHELD": ",".join(["autograder", *_withheld_modules()])}
     if gpu and "CUDA_VISIBLE_DEVICES" in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    if DEVICE_ENV in os.environ:  # the kernel grades on the device the grader was told to use
+        env[DEVICE_ENV] = os.environ[DEVICE_ENV]
     return env
 
 
@@ -292,7 +302,7 @@ class Template:
         self.process = subprocess.Popen(
             [*_bwrap_argv(_library(self.folder), status_out, limits, template=True), sys.executable,
              f"{LIBRARY}/forkserver.py", str(inside.fileno())],
-            env=_environment(limits, any(Path("/dev").glob("nvidia*"))), cwd="/tmp", stdin=subprocess.DEVNULL,
+            env=_environment(limits, bool(gpus())), cwd="/tmp", stdin=subprocess.DEVNULL,
             stdout=self.log, stderr=self.log, pass_fds=(inside.fileno(), status_out), start_new_session=True)
         inside.close()
         os.close(status_out)
@@ -369,7 +379,7 @@ class Jail:
     def __init__(self, limits: Limits = Limits(), jailed: bool = True, template: Template | None = None):
         self.limits, self.jailed = limits, jailed
         self.template = (template or Template.inherited()) if jailed else None
-        self.gpu = any(Path("/dev").glob("nvidia*"))
+        self.gpu = bool(gpus())
         self.process: subprocess.Popen | None = None   # bubblewrap, for a kernel it started
         self.pidfd = -1         # the runner's, for a kernel forked by the template
         self.pid = 0            # the runner's pid, as this machine sees it

@@ -22,3 +22,4 @@ engine            the finished implementations, generated from the solution cell
 """
 
 __version__ = "0.1.0"
+DEVICE_ENV = "FLASHCOURSE_DEVICE"  # "cpu" or "cuda" overrides runtime's choice of device ("auto", or unset, does not)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import DEVICE_ENV
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -32,7 +34,10 @@ def _in_colab() -> bool:
 
 def _choose() -> Runtime:
     colab = _in_colab()
-    if torch.cuda.is_available():
+    wanted = os.environ.get(DEVICE_ENV, "auto")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{DEVICE_ENV}=cuda, but torch sees no CUDA GPU here")
+    if wanted != "cpu" and torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         major, _ = torch.cuda.get_device_capability()
         # bf16 tensor cores arrive with Ampere (sm_80); a T4 (sm_75) gets fp16.
@@ -40,7 +45,8 @@ def _choose() -> Runtime:
         line = f"flashcourse: GPU {name}, Triton kernels compiled, dtype {str(dtype).removeprefix('torch.')}"
         return Runtime("cuda", dtype, False, colab, line)
     os.environ["TRITON_INTERPRET"] = "1"
-    line = "flashcourse: no GPU found, Triton kernels run in the interpreter on the CPU, dtype float32"
+    why = f"{DEVICE_ENV}=cpu" if wanted == "cpu" else "no GPU found"
+    line = f"flashcourse: {why}, Triton kernels run in the interpreter on the CPU, dtype float32"
     return Runtime("cpu", torch.float32, True, colab, line)
 
 

@@ -20,6 +20,22 @@ def test_runtime_chooses_the_interpreter_without_a_gpu(monkeypatch):
     assert __import__("os").environ["TRITON_INTERPRET"] == "1"
 
 
+def test_the_device_can_be_forced():
+    """FLASHCOURSE_DEVICE=cpu picks the interpreter even beside a GPU; =cuda without a GPU says so."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "from flashcourse import runtime; print(runtime.current().device)"
+    env = {**os.environ, runtime.DEVICE_ENV: "cpu"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "cpu", done.stderr
+    if not torch.cuda.is_available():
+        env[runtime.DEVICE_ENV] = "cuda"
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode and "sees no CUDA GPU" in done.stderr
+
+
 def test_worked_example_numbers():
     """The chapter's numbers: (1, 1.3679, 4.7358) after tile 1, alpha 0.3679 at tile 2, 1.8619 at the end."""
     first, second = recurrence.trace(*WORKED, tile=2)
