@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 from . import ROOT, jail
-from .grade import MAX_NOTEBOOK_BYTES, Outcome, grade_one, read_submission, zeros
+from .grade import MAX_NOTEBOOK_BYTES, Outcome, grade_one, read_submission, unreadable, zeros
 
 ALLOWED_FAILURES = 1                # worker deaths a task survives: one retry on another worker
 MAX_RESULT_BYTES = 4 * MAX_NOTEBOOK_BYTES   # the autograded and feedback files of one notebook, together
@@ -184,9 +184,7 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
                 try:
                     submitted = read_submission(notebook)
                 except (OSError, ValueError) as error:
-                    linked = isinstance(error, OSError) and notebook.is_symlink()
-                    reason = "it is a symbolic link" if linked else str(error)
-                    yield zeros(student, assignment, asked[assignment], f"the notebook was not graded: {reason}"), None
+                    yield zeros(student, assignment, asked[assignment], unreadable(notebook, error)), None
                     continue
                 future = client.submit(grade_on_worker, student, assignment, submitted, gradebooks[assignment],
                                        asked[assignment], cell_timeout, trusted, course_digest() if remote else None,

@@ -131,6 +131,12 @@ def read_submission(notebook: Path) -> bytes:
         os.close(fd)
 
 
+def unreadable(notebook: Path, error: OSError | ValueError) -> str:
+    """Why read_submission refused a notebook, as the summary says it."""
+    reason = "it is a symbolic link" if isinstance(error, OSError) and notebook.is_symlink() else str(error)
+    return f"the notebook was not graded: {reason}"
+
+
 # What nbgrader's log says, and what it means for the student. A kernel that dies, hangs or runs out
 # of memory no longer fails nbgrader: execute.py replaces it and names it among the anomalies.
 KNOWN_FAILURES = [
@@ -154,8 +160,7 @@ def grade_one(student: str, assignment: str, notebook: Path, template: Path, out
     try:
         submitted = read_submission(notebook)
     except (OSError, ValueError) as error:
-        reason = "it is a symbolic link" if isinstance(error, OSError) and notebook.is_symlink() else str(error)
-        return zeros(student, assignment, questions, f"the notebook was not graded: {reason}")
+        return zeros(student, assignment, questions, unreadable(notebook, error))
     with tempfile.TemporaryDirectory(prefix="flashcourse-grade-") as tmp:
         scratch = Path(tmp)
         folders = {"submitted": scratch / "submitted", "autograded": scratch / "autograded",
