@@ -499,8 +499,9 @@ def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> No
                              "reference nor any recognised mistake), so its memory use is not graded.")
 
 
-PROBE_SCORE_BYTES = 1 << 30      # one float32 [B, Hq, T, S] score matrix of the scaled-up case
-PROBE_ALLOWANCE = 768 << 20      # what the call may map beyond its process's start-up size
+PROBE_SCORE_BYTES = 512 << 20    # one float32 [B, Hq, T, S] score matrix of the scaled-up case
+PROBE_ALLOWANCE = 384 << 20      # what the call may map beyond its process's start-up size (a tiled
+                                 # function holds a few [B, Hq, T, PROBE_TILE] tensors, tens of MiB)
 PROBE_TILE = 256
 PROBE_ROWS = 8                   # query rows compared with the reference at the large size
 

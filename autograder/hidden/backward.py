@@ -18,8 +18,8 @@ so a dQ race cannot show on a CPU; compiled, test_flash_attention_backward also 
 over 4096 keys five times, where many programs would add into the same rows of dQ at once.
 
 Memory has no hidden check: the visible one of its cell, measured from outside on a case scaled up
-until one [T, S] matrix takes 1 GiB, is as strong as a check can be, and a second such probe would
-double the cell's time (minutes under the jail).
+until one [T, S] matrix takes 256 MiB (backward_checks.PROBE_MATRIX_BYTES), is as strong as a check
+can be, and a second such probe would double the cell's time.
 """
 
 import torch
