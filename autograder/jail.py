@@ -467,9 +467,7 @@ class Jail:
             fresh = set(self.others()) - stopped
             if not fresh:
                 return
-            for pid in fresh:
-                with _gone_is_fine():
-                    os.kill(pid, signal.SIGSTOP)
+            _signal_and_wait(fresh, signal.SIGSTOP)
             stopped |= fresh
 
     @contextmanager
@@ -485,8 +483,7 @@ class Jail:
         try:
             self._stop_others(stopped)
             answer, _ = self.ask({"op": "fork"}, None, deadline)
-            with _gone_is_fine():
-                os.kill(self.pid, signal.SIGSTOP)
+            _signal_and_wait({self.pid}, signal.SIGSTOP)
             stopped.add(self.pid)
             children = set(self.others()) - stopped
             if answer != {"forked": True} or len(children) != 1:
@@ -496,11 +493,15 @@ class Jail:
             children |= set(self.others()) - stopped
             if children != {child}:  # it started another before its limits were set
                 raise MeasurementRefused("the kernel started other processes for the measured call")
+            # What it mapped before its limits were set stays usable: as for the runner, at most half of
+            # the allowance may be held already.
+            held, allowed = vm_size(child) - self.start_size, address_space - self.start_size
+            if held > allowed // 2:
+                raise MeasurementRefused(f"the process of the measured call already held {held >> 20} MiB more than "
+                                         f"the kernel at start-up, and the check allows {allowed >> 20} MiB")
             yield child
         finally:
-            for pid in children:
-                with _gone_is_fine():
-                    os.kill(pid, signal.SIGKILL)
+            _signal_and_wait(children, signal.SIGKILL)  # gone before anything else reads the runner's pipe
             for pid in stopped:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGCONT)
@@ -547,6 +548,28 @@ class Jail:
                     os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.folder, ignore_errors=True)
         return len(others)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, T, Z...), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _signal_and_wait(pids: set[int], sent: int, timeout: float = 10.0) -> None:
+    """Send a stop or kill signal and return once each process is stopped (or dead), since signals are
+    delivered after os.kill returns; MeasurementRefused if one is still running after `timeout`."""
+    for pid in pids:
+        with _gone_is_fine():
+            os.kill(pid, sent)
+    settled = ("", "Z", "X") if sent == signal.SIGKILL else ("", "Z", "X", "T", "t")
+    deadline = time.monotonic() + timeout
+    while any(_state(pid) not in settled for pid in pids):
+        if time.monotonic() > deadline:
+            raise MeasurementRefused("a process of the jail did not stop when told to")
+        time.sleep(0.001)
 
 
 @contextmanager

@@ -124,6 +124,29 @@ def test_measured_child_is_limited_from_outside(start):
     kernel.close()
 
 
+def test_a_measured_child_that_maps_memory_early_is_refused(start):
+    """A notebook that rewrites the runner so the measured call's process maps a large buffer before its
+    limits are set (to compute inside it afterwards) gets no measurement."""
+    kernel = start()
+    run(kernel, "import mmap, os, sys, wire\n"
+                "def early(shell, in_fd, out_fd):\n"
+                "    if os.fork() == 0:\n"
+                "        buffer = mmap.mmap(-1, 600 << 20)\n"
+                "        wire.send(out_fd, {'forked': True})\n"
+                "        wire.receive(in_fd)\n"
+                "        os._exit(0)\n"
+                "    os.wait()\n"
+                "import gc, types\n"
+                "for found in gc.get_objects():   # the runner's own function, found among the live objects\n"
+                "    if isinstance(found, types.FunctionType) and found.__name__ == 'measured_call':\n"
+                "        found.__globals__['measured_call'] = early")
+    with pytest.raises(jail.MeasurementRefused, match="already held"):
+        with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60):
+            pass
+    assert run(kernel, "print('goes on')").strip() == "goes on"
+    kernel.close()
+
+
 def test_processes_die_with_the_jail(start):
     """Processes the notebook detached are counted at the end and do not outlive the jail."""
     started = start()
