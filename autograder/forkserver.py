@@ -86,6 +86,19 @@ def _set_limits(limits: dict, gpu: bool) -> None:
         resource.setrlimit(kind, (int(value), int(value)))
 
 
+def _private_tmp(size: int) -> None:
+    """A fresh /tmp of `size` bytes over the template's. A Python environment that lives under /tmp (a
+    clone there, as bubblewrap's argv in jail.py also allows) is bound again, read-only, over the new one."""
+    under_tmp = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)} - {"/tmp"})
+    kept = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in under_tmp if path.startswith("/tmp/")]
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=1777")
+    for path, fd in kept:
+        os.makedirs(path, mode=0o755)
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
+
+
 def _become_kernel(request: dict, in_fd: int, out_fd: int, log_fd: int) -> None:
     """In the new PID namespace, as its pid 1: finish the jail, then serve the notebook. Never returns."""
     code = 1
@@ -96,7 +109,7 @@ def _become_kernel(request: dict, in_fd: int, out_fd: int, log_fd: int) -> None:
             if os.path.exists(path):
                 _mount(path, path, None, MS_BIND | MS_REC)
                 _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(request['limits']['tmp_bytes'])},mode=1777")
+        _private_tmp(int(request["limits"]["tmp_bytes"]))
         _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
         _loopback_up()
         _set_limits(request["limits"], bool(request.get("gpu")))
