@@ -114,6 +114,9 @@ class Session:
             kernel.start()
         except jail.NoJail as failed:
             self.restarts += 1
+            why = f"the notebook's kernel could not start: {failed}"
+            if why not in self.anomalies:  # the summary says so once, not for every cell that found no kernel
+                self.anomalies.append(why)
             raise KernelLost(str(failed)) from None
         self.kernel = kernel
         for code in self.completed:  # a fresh kernel: bring it to where the lost one was

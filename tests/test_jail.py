@@ -178,3 +178,19 @@ def test_kernels_of_one_template_share_nothing(start):
     first.close()
     assert run(second, "print('still here')").strip() == "still here"
     second.close()
+
+
+def test_a_kernel_that_cannot_start_is_named_in_the_anomalies(monkeypatch):
+    """When no kernel starts, the cells say why and the summary's anomalies say it once, so the notebook is
+    not reported as graded normally."""
+    from autograder import execute
+
+    def refuse(self):
+        raise jail.NoJail("the grading kernel did not start: an import failed")
+
+    monkeypatch.setattr(jail.Jail, "start", refuse)
+    session = execute.Session(jailed=True, cell_timeout=30, max_restarts=2)
+    outputs = [session.run_cell("x = 1", f"cell {i}") for i in range(4)]
+    assert all(o[0]["ename"] == "KernelLost" for o in outputs)
+    assert session.anomalies == ["the notebook's kernel could not start: the grading kernel did not start: "
+                                 "an import failed"]
