@@ -572,6 +572,21 @@ def last_gap_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save_json(result: dict, path: str | None) -> None:
+    """Write the measurements so far to `path` (--json), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _show_report(text: str, path: str | None) -> None:
+    """Print the markdown report and write it to `path` (--out), if one was given."""
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def last_gap_main(args) -> int:
     """--last-gap: the grid above, the FP8 error study and the grid-tail simulation, saved after every row."""
     processors = torch.cuda.get_device_properties(0).multi_processor_count
@@ -580,19 +595,13 @@ def last_gap_main(args) -> int:
               "tail": [tail(t, TOKENS // t, 32, bm, bm, processors) for t in (1024, 16384) for bm in (64, 128)]}
 
     def save():
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        _save_json(result, args.json)
     print("fp8 errors", flush=True)
     result["fp8_errors"] = fp8_errors(result["fp8_errors_t"], result["fp8_errors_heads"])
     save()
     print("last gap", flush=True)
     last_gap(rows=result["last_gap"], done=save)
-    text = last_gap_report(result)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    _show_report(last_gap_report(result), args.out)
     return 0
 
 
@@ -832,18 +841,12 @@ def last_gap_2_main(args) -> int:
     result = {"environment": environment(), "copy_tbs": copy_bandwidth(), "decode": [], "prefill": []}
 
     def save():
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+        _save_json(result, args.json)
     print("decode", flush=True)
     decode_short(rows=result["decode"], done=save)
     print("prefill", flush=True)
     prefill_with_lse(rows=result["prefill"], done=save)
-    text = last_gap_2_report(result)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    _show_report(last_gap_2_report(result), args.out)
     return 0
 
 
@@ -873,11 +876,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.last_gap_2_report:
         result, trials = (json.load(open(path)) for path in args.last_gap_2_report)
-        text = last_gap_2_report(result, trials)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        _show_report(last_gap_2_report(result, trials), args.out)
         return 0
     if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2) and not torch.cuda.is_available():
         print(GPU_NEEDED)
@@ -894,13 +893,8 @@ def main(argv=None) -> int:
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)
-        print(text)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        _save_json(result, args.json)
+        _show_report(text, args.out)
         return 0
     if args.ncu_csv:
         summary = [k for item in args.ncu_csv for k in ncu_summary(item.split("=", 1)[1], int(item.split("=", 1)[0]))]
@@ -923,9 +917,7 @@ def main(argv=None) -> int:
         result = {"environment": environment(), "steps": [], "copy_tbs": math.nan, "decode": [], "prefill": []}
 
         def save():
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=1)
+            _save_json(result, args.json)
         print("steps", flush=True)
         result["steps"] = steps()
         save()
@@ -934,11 +926,7 @@ def main(argv=None) -> int:
         decode(decode_grid, rows=result["decode"], done=save)
         print("prefill", flush=True)
         prefill(grid, rows=result["prefill"], done=save)
-    text = report(result)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    _show_report(report(result), args.out)
     if args.png:
         plot(result, args.png)
     return 0
