@@ -150,9 +150,10 @@ def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits(),
             argv += ["--ro-bind", top, top]
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.tmp_bytes),
              "--tmpfs", "/tmp"]
-    for gpu in gpus():
+    devices = gpus()
+    for gpu in devices:
         argv += ["--dev-bind", str(gpu), str(gpu)]
-    if gpus():
+    if devices:
         argv += ["--ro-bind", "/sys", "/sys"]
     # The Python environment, after /tmp: a clone under /tmp keeps its environment visible.
     for keep in sorted({Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()}):
@@ -320,17 +321,10 @@ class Template:
             self.log.seek(0)
             raise NoJail(f"the kernel template did not start: {self.log.read()[-2000:].decode(errors='replace')}")
 
-    @classmethod
-    def inherited(cls) -> "Template | None":
-        """The template this process was given through TEMPLATE_ENV, if any."""
-        try:
-            fd, pid = (int(x) for x in os.environ[TEMPLATE_ENV].split(","))
-            os.fstat(fd)
-        except (KeyError, ValueError, OSError):
-            return None
-        template = cls.__new__(cls)
-        template.control, template.pid, template.process = socket.socket(fileno=os.dup(fd)), pid, None
-        return template
+    @staticmethod
+    def inherited() -> "Template | None":
+        """The template this process was given through TEMPLATE_ENV, if any (one object per process)."""
+        return _template_from(os.environ.get(TEMPLATE_ENV, ""))
 
     def export(self) -> None:
         """Let the processes this one forks from now on start their kernels from this template."""
@@ -371,6 +365,19 @@ class Template:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@lru_cache(maxsize=None)
+def _template_from(exported: str) -> Template | None:
+    """The Template that `export` described as "control fd,pid", or None if there is none."""
+    try:
+        fd, pid = (int(x) for x in exported.split(","))
+        os.fstat(fd)
+    except (ValueError, OSError):
+        return None
+    template = Template.__new__(Template)
+    template.control, template.pid, template.process = socket.socket(fileno=os.dup(fd)), pid, None
+    return template
 
 
 class Jail:
@@ -425,12 +432,17 @@ class Jail:
         self.log = tempfile.TemporaryFile(dir=self.folder)
         self.reader, self.writer = grader_in, grader_out
         try:
-            self.pid = self.template.spawn(self.limits, self.gpu, jail_in, jail_out, self.log.fileno())
-            self.pidfd = os.pidfd_open(self.pid)  # signals reach this kernel, never a later process given its pid
-        except (TemplateGone, ProcessLookupError):
-            self.close()
-            self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
-            raise TemplateGone("the kernel the template forked has already ended") from None
+            try:
+                self.pid = self.template.spawn(self.limits, self.gpu, jail_in, jail_out, self.log.fileno())
+                self.pidfd = os.pidfd_open(self.pid)  # signals reach this kernel, never a later process given its pid
+            except ProcessLookupError:
+                raise TemplateGone("the kernel the template forked has already ended") from None
+        except TemplateGone:  # nothing was started: the caller starts a kernel the slow way
+            for fd in (grader_in, grader_out):
+                os.close(fd)
+            self.log.close()
+            self.pid = 0
+            raise
         finally:
             os.close(jail_in)
             os.close(jail_out)

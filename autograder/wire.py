@@ -157,7 +157,8 @@ def _wait(fd: int, writing: bool, deadline: float | None, there) -> None:
             raise TimedOut()
         if there is not None:
             wait = POLL_S if wait is None else min(wait, POLL_S)
-        if select.select([] if writing else [fd], [fd] if writing else [], [], wait)[0 if not writing else 1]:
+        readable, writable, _ = select.select([] if writing else [fd], [fd] if writing else [], [], wait)
+        if writable or readable:
             return
         if there is not None and not there():
             raise Closed()

@@ -194,3 +194,18 @@ def test_a_kernel_that_cannot_start_is_named_in_the_anomalies(monkeypatch):
     assert all(o[0]["ename"] == "KernelLost" for o in outputs)
     assert session.anomalies == ["the notebook's kernel could not start: the grading kernel did not start: "
                                  "an import failed"]
+
+
+def test_a_gone_template_falls_back_to_bubblewrap():
+    """A kernel whose template has ended is started by bubblewrap instead, with nothing of the attempt left open."""
+    if os.geteuid() != 0:
+        pytest.skip("a kernel template needs a root grader")
+    template = jail.Template()
+    template.close()
+    before = len(os.listdir("/proc/self/fd"))
+    kernel = jail.Jail(template=template)
+    kernel.start()
+    assert kernel.template is None and run(kernel, "print('cold')").strip() == "cold"
+    kernel.close()
+    del kernel  # its log file closes with it
+    assert len(os.listdir("/proc/self/fd")) == before
