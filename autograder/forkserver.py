@@ -23,6 +23,7 @@ as this template sees it} or {"error": why}.
 
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import resource
@@ -189,6 +190,7 @@ def main(control_fd: int) -> None:
     import torch  # noqa: F401  (what every kernel would import first)
     from IPython.core.interactiveshell import InteractiveShell  # noqa: F401
 
+    gc.freeze()  # a kernel's collector never walks the template's objects, so their pages stay shared
     control = socket.socket(fileno=control_fd)
     os.set_inheritable(control_fd, False)
     serve(control)

@@ -57,7 +57,7 @@ class Limits:
     file_size: int = 64 << 20
     open_files: int = 1024
     tmp_bytes: int = 256 << 20         # the private /tmp
-    threads: int = 2                   # torch's and OpenMP's threads
+    threads: int = 1                   # torch's and OpenMP's threads: notebooks are graded side by side, one per core
 
 
 class NoJail(RuntimeError):

@@ -24,6 +24,7 @@ exit status, or minus the signal that ended it) on its stdout.
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -56,6 +57,28 @@ def _preload() -> None:
             importlib.import_module(f"autograder.hidden.{module.name}")
         except Exception:
             pass
+    _render_a_feedback_page()
+
+
+def _render_a_feedback_page() -> None:
+    """Render a small feedback page once, so the regular expressions, lexers and parsers that every
+    feedback page builds on first use (about half a second) are built here, before any command forks."""
+    from nbconvert.exporters import HTMLExporter
+    from nbformat import v4
+    from nbgrader.converters import GenerateFeedback
+    from nbgrader.coursedir import CourseDirectory
+
+    graded = {"grade": True, "grade_id": "check", "points": 1, "score": 0, "solution": False, "task": False,
+              "comment": None}
+    notebook = v4.new_notebook(metadata={"language_info": {"name": "python", "pygments_lexer": "ipython3"}})
+    notebook.cells = [
+        v4.new_markdown_cell("# A title\n\nText with $x^2$, a [link](https://example.org) and `code`.\n\n- one\n- two"),
+        v4.new_code_cell("import torch\nx = torch.ones(3)  # a comment\nprint(x)", metadata={"nbgrader": graded},
+                         outputs=[v4.new_output("stream", name="stdout", text="tensor([1., 1., 1.])\n"),
+                                  v4.new_output("error", ename="AssertionError", evalue="off",
+                                                traceback=["\x1b[0;31mAssertionError\x1b[0m: off"])])]
+    resources = {"nbgrader": {"score": 0, "max_score": 1, "late_penalty": 0, "notebook": "warm-up"}}
+    HTMLExporter(config=GenerateFeedback(coursedir=CourseDirectory()).config).from_notebook_node(notebook, resources)
 
 
 def _run_command(request: dict, closing: list[int]) -> int:
@@ -109,6 +132,7 @@ def serve(requests_fd: int = 0, answers_fd: int = 1) -> None:
     """The server's loop: fork a child per request, report its pid and, once reaped, its exit status."""
     _preload()
     template = _start_kernel_template()  # noqa: F841  (kept referenced: it lives as long as the server)
+    gc.freeze()  # a command's collector never walks what the server built, so those pages stay shared
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)

@@ -8,7 +8,9 @@ runs as it is, with every tensor the notebook holds. The ranks meet through a Fi
 temporary folder; gloo talks over the loopback interface, so no network is needed. The answers come back in rank
 order. A rank that raises makes `run` raise the same kind of exception (a RuntimeError for kinds that
 are not Python's own) with the rank and its traceback in the message; a group that has not finished
-within timeout_s (a send that nobody receives waits forever) is killed and `run` raises RanksTimedOut.
+within timeout_s (a send that nobody receives waits forever) is killed and `run` raises RanksTimedOut. On
+Linux a gloo group is also stopped sooner, once its ranks have all but left the CPU for STALL_S seconds:
+every rank is then waiting for another, which is a deadlock, and waiting longer cannot end it.
 No process outlives the call: every rank is killed and reaped before `run` returns or raises.
 
 With NCCL (backend="nccl", rank r on GPU r) the ranks are started fresh ("spawn"): CUDA cannot be used
@@ -43,6 +45,9 @@ LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"   # gloo's interface: loo
 BACKENDS = ("gloo", "nccl")
 TRACEBACK_CHARS = 1500                                     # of a failed rank's traceback, kept in the message
 FAILURE_GRACE_S = 2.0                                      # after a rank fails, how long the others may take to report
+STALL_S = 5.0          # a gloo group whose ranks all wait this long for each other is deadlocked...
+STALL_CPU_SHARE = 0.05 # ...when together they used less than this share of one core meanwhile (gloo's own
+                       # threads wake now and then; a rank at work, even on a crowded machine, uses far more)
 
 
 class RanksTimedOut(RuntimeError):
@@ -76,7 +81,7 @@ def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAUL
                 sender.close()
                 ranks.append(process)
                 pipes.append(receiver)
-        return _gather(ranks, pipes, timeout_s)
+        return _gather(ranks, pipes, timeout_s, stall_s=STALL_S if backend == "gloo" else None)
     finally:
         for process in ranks:
             if process.is_alive():
@@ -103,22 +108,30 @@ def _call_with(fn, rank_args: list, kwargs: dict, rank: int, world_size: int):
     return fn(*rank_args[rank], **kwargs)
 
 
-def _gather(ranks: list, pipes: list, timeout_s: float) -> list:
+def _gather(ranks: list, pipes: list, timeout_s: float, stall_s: float | None = None) -> list:
     """Every rank's value in rank order. When ranks fail, the one that failed first is raised: the others'
-    errors usually follow from it (a peer that vanished). The deadline raises RanksTimedOut."""
+    errors usually follow from it (a peer that vanished). The deadline raises RanksTimedOut, and so does a
+    stall: stall_s seconds in which the unfinished ranks together used less than STALL_CPU_SHARE of a core
+    (stall_s None: no such check)."""
     values: dict[int, object] = {}
     failures: list[tuple[float, int, str, str, str]] = []     # (when, rank, kind, message, traceback)
     deadline = time.monotonic() + timeout_s
     waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
+    stalled = None if stall_s is None else _Stall(stall_s)
     while waiting:
-        ready = wait(list(waiting), timeout=max(deadline - time.monotonic(), 0))
+        poll = deadline - time.monotonic() if stall_s is None else min(deadline - time.monotonic(), stall_s / 5)
+        ready = wait(list(waiting), timeout=max(poll, 0))
         if not ready:
-            if failures:
-                break
             stuck = sorted(waiting.values())
-            raise RanksTimedOut(f"rank(s) {stuck} of {len(ranks)} did not finish within {timeout_s:g} s and were "
-                                "killed: a send or receive whose partner never comes (two ranks waiting on each "
-                                "other, or a message sent to the wrong rank) waits forever")
+            if failures and time.monotonic() >= deadline:
+                break
+            if time.monotonic() >= deadline:
+                raise RanksTimedOut(f"rank(s) {stuck} of {len(ranks)} did not finish within {timeout_s:g} s and "
+                                    f"were killed: {_DEADLOCK}")
+            if stalled is not None and not failures and stalled.seen([ranks[rank].pid for rank in stuck]):
+                raise RanksTimedOut(f"rank(s) {stuck} of {len(ranks)} all waited {stall_s:g} s without using the "
+                                    f"CPU and were killed: {_DEADLOCK}")
+            continue
         for pipe in ready:
             rank = waiting.pop(pipe)
             try:
@@ -142,6 +155,45 @@ def _gather(ranks: list, pipes: list, timeout_s: float) -> list:
         where = f"on rank {rank} of {len(ranks)}: {message}"
         raise error(where + (f"\nrank {rank}'s traceback (last lines):\n{trace[-TRACEBACK_CHARS:]}" if trace else ""))
     return [values[rank] for rank in range(len(ranks))]
+
+
+_DEADLOCK = ("a send or receive whose partner never comes (two ranks waiting on each other, or a message sent to the "
+             "wrong rank) waits forever")
+
+
+class _Stall:
+    """Whether the same processes have, together, all but left the CPU for the last stall_s seconds."""
+
+    def __init__(self, stall_s: float):
+        self.stall_s = stall_s
+        self.pids: list[int] = []
+        self.samples: list[tuple[float, float]] = []   # (when, their CPU seconds by then), oldest first
+
+    def seen(self, pids: list[int]) -> bool:
+        used, now = _cpu_seconds(pids), time.monotonic()
+        if pids != self.pids or used is None:   # other processes, or none to read: start again
+            self.pids, self.samples = pids, []
+        if used is None:
+            return False
+        self.samples.append((now, used))
+        old = [sample for sample in self.samples if sample[0] <= now - self.stall_s]
+        if not old:
+            return False
+        self.samples = self.samples[len(old) - 1:]   # the newest sample at least stall_s old, and the later ones
+        return used - old[-1][1] < STALL_CPU_SHARE * self.stall_s
+
+
+def _cpu_seconds(pids) -> float | None:
+    """The CPU time these processes have used so far, every thread's (None where /proc cannot tell)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            return None
+        ticks += int(fields[11]) + int(fields[12])   # utime and stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _exit_text(code) -> str:

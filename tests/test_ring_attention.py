@@ -71,6 +71,31 @@ def test_a_deadlock_times_out_and_leaves_no_process(no_process_left):
     assert 2 <= time.monotonic() - started < 10
 
 
+def test_a_deadlock_that_leaves_every_rank_idle_ends_after_the_stall(no_process_left):
+    """Ranks that all wait without using the CPU are stopped after STALL_S, long before timeout_s."""
+    def both_receive(rank, world_size):
+        dist.recv(torch.empty(1), (rank + 1) % world_size)
+    started = time.monotonic()
+    with pytest.raises(distributed.RanksTimedOut, match=r"\[0, 1\] of 2 all waited 5 s without using the CPU"):
+        distributed.run(both_receive, 2, timeout_s=60)
+    assert distributed.STALL_S <= time.monotonic() - started < 3 * distributed.STALL_S
+
+
+def test_a_rank_that_computes_while_the_other_waits_is_not_a_stall(no_process_left):
+    """One rank busy for longer than STALL_S while its partner waits for it: the group finishes."""
+    def one_computes(rank, world_size):
+        tensor = torch.zeros(1)
+        if rank == 0:
+            until = time.monotonic() + 1.5 * distributed.STALL_S
+            while time.monotonic() < until:
+                tensor += 1
+            dist.send(tensor, 1)
+        else:
+            dist.recv(tensor, 0)
+        return tensor.item() > 0
+    assert distributed.run(one_computes, 2, timeout_s=60) == [True, True]
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="backend"):
         distributed.run(_pass_right, 2, backend="mpi")
