@@ -24,6 +24,7 @@ as this template sees it} or {"error": why}.
 import ctypes
 import fcntl
 import gc
+import glob
 import json
 import os
 import resource
@@ -33,12 +34,14 @@ import struct
 import sys
 
 import runner
+from flashcourse import DEVICE_ENV
 import wire  # noqa: F401  (imported once here, as the runner's start-up would)
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 1, 24, 38, 47, 4
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 READ_ONLY_PROC = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
@@ -112,6 +115,10 @@ def _become_kernel(request: dict, in_fd: int, out_fd: int, log_fd: int) -> None:
                 _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
         _private_tmp(int(request["limits"]["tmp_bytes"]))
         _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
+        if not request.get("gpu"):  # graded on the CPU: the template's GPUs leave this kernel's world
+            for device in glob.glob("/dev/nvidia*"):
+                _check(libc.umount2(device.encode(), MNT_DETACH), f"unmount {device}")
+            os.environ[DEVICE_ENV] = "cpu"
         _loopback_up()
         _set_limits(request["limits"], bool(request.get("gpu")))
         os.chdir("/tmp")

@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flashcourse import DEVICE_ENV
+
 from . import ROOT, jail, warm
 from .build import assignments as known_assignments
 from .execute import ANOMALIES_ENV
@@ -41,6 +43,10 @@ from .execute import ANOMALIES_ENV
 STUDENT_TIMEOUT_S = 30 * 60     # a whole notebook; one cell is limited by nbgrader_config's JailedExecute.timeout
 MEMORY_LIMIT_BYTES = 16 << 30   # address space of the grading processes (torch reserves some up front)
 MAX_NOTEBOOK_BYTES = 64 << 20   # a submitted notebook larger than this is not graded
+# Where the device is left to grading (--device auto), a GPU grades only these, whose graded code is Triton
+# kernels. The PyTorch assignments' small tests run faster on a CPU than as thousands of tiny launches from
+# a dozen kernels sharing one GPU, each paying for a CUDA context of its own.
+COMPILED_ASSIGNMENTS = ("04_triton_flash", "05_fast_kernel", "06_backward")
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,14 @@ def explain_failure(log: str) -> str:
     return (lines or ["nbgrader failed without a message"])[-1][:300]
 
 
+def device_for(assignment: str) -> dict[str, str]:
+    """The environment that picks where an assignment's notebooks are graded: what --device said, if anything,
+    and otherwise the CPU for every assignment but those with Triton kernels (flashcourse.runtime decides for them)."""
+    if os.environ.get(DEVICE_ENV, "auto") == "auto" and assignment not in COMPILED_ASSIGNMENTS:
+        return {DEVICE_ENV: "cpu"}
+    return {}
+
+
 def grade_one(student: str, assignment: str, notebook: Path, template: Path, out: Path,
               questions: list[tuple[str, str, float]], cell_timeout: int | None = None,
               trusted: bool = False) -> Outcome:
@@ -174,7 +188,7 @@ def grade_one(student: str, assignment: str, notebook: Path, template: Path, out
         options = [f"--JailedExecute.timeout={cell_timeout}"] if cell_timeout else []
         if trusted:
             options.append("--JailedExecute.trusted=True")
-        env = {ANOMALIES_ENV: str(anomalies_file)}
+        env = {ANOMALIES_ENV: str(anomalies_file), **device_for(assignment)}
         code, log = run_nbgrader(nbgrader_args("autograde", assignment, "--student", student, "--force", *options,
                                                db=db, folders=folders), scratch / "autograde.log", STUDENT_TIMEOUT_S, env)
         anomalies = anomalies_file.read_text().splitlines() if anomalies_file.exists() else []

@@ -161,7 +161,9 @@ def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits(),
             argv += [*_traversable(keep), "--ro-bind", str(keep), str(keep)]
     if library.exists():
         argv += [*_traversable(Path(LIBRARY)), "--ro-bind", str(library), LIBRARY]
-    argv += ["--chdir", "/tmp"]
+    # bubblewrap builds the root on a tmpfs of its own, which an ordinary user's jail owns: read-only, so that
+    # only /tmp, within its size, takes writes.
+    argv += ["--remount-ro", "/", "--chdir", "/tmp"]
     if status_fd is not None:
         argv += ["--json-status-fd", str(status_fd)]
     return argv + ["--", *([] if template else _become_unprivileged())]

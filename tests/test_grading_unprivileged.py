@@ -7,6 +7,7 @@ and the course readable to that uid, as they would be on an instructor's machine
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,3 +81,20 @@ def test_an_ordinary_user_grades_the_same():
             assert all(p.stat().st_uid == UNPRIVILEGED for p in (work / "out").iterdir()), "the grader was not the user"
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_jail_holds_for_an_ordinary_user():
+    """tests/test_jail.py run by an ordinary user, whose kernels bubblewrap starts in a user namespace: every
+    property and attack of the jail checked there too (the template's half skips: it needs root)."""
+    home = Path(tempfile.mkdtemp(prefix="flashcourse-unprivileged-", dir="/tmp"))
+    try:
+        home.chmod(0o777)
+        argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_jail.py"]
+        run = subprocess.run(_as_ordinary_user(argv, home), cwd=ROOT, env={**os.environ, "HOME": str(home)},
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        skips = [line for line in run.stdout.splitlines() if line.startswith("SKIPPED")]
+        assert all("needs a root grader" in line for line in skips), skips   # only the template's half
+        assert re.search(r"\b(1[0-9]|[2-9][0-9]) passed", run.stdout), run.stdout[-2000:]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

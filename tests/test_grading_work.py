@@ -12,6 +12,7 @@ import json
 import pytest
 
 from autograder import grade, jail
+from flashcourse import DEVICE_ENV
 from conftest import SAMPLES, expected_scores
 
 pytestmark = [pytest.mark.slow,
@@ -149,3 +150,13 @@ def test_the_feedback_says_why(graded):
     assert "memory limited to" in numpy_page and "score matrix" in numpy_page
     torch_page = next((out / "feedback" / "plain_pytorch").rglob("*.html")).read_text()
     assert "launches no @triton.jit kernel" in torch_page
+
+
+def test_auto_grades_only_the_kernel_assignments_on_a_gpu(monkeypatch):
+    """--device auto sends the PyTorch assignments to the CPU; an explicit --device applies to every one."""
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    assert grade.device_for("03_online_attention") == {DEVICE_ENV: "cpu"}
+    assert grade.device_for("07_ring_attention") == {DEVICE_ENV: "cpu"}
+    assert grade.device_for("05_fast_kernel") == {}
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    assert grade.device_for("03_online_attention") == {}

@@ -208,3 +208,13 @@ def test_a_gone_template_falls_back_to_bubblewrap():
     kernel.close()
     del kernel  # its log file closes with it
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_kernel_graded_on_the_cpu_has_no_gpu(start, monkeypatch):
+    """Told to grade on the CPU (as --device auto does for the PyTorch assignments), a kernel sees no GPU device
+    and its runtime chooses the CPU, even when its template was started with the machine's GPUs."""
+    monkeypatch.setenv("FLASHCOURSE_DEVICE", "cpu")
+    kernel = start()
+    out = run(kernel, "import glob, os\nprint(glob.glob('/dev/nvidia*'), os.environ.get('FLASHCOURSE_DEVICE'))")
+    assert out.strip() == "[] cpu"
+    kernel.close()
