@@ -201,8 +201,11 @@ class Server:
     """The caller's side: run nbgrader commands in children of one warm server process."""
 
     def __init__(self) -> None:
+        # One torch thread per command: a batch grades notebooks side by side, and on a machine of 16 cores a
+        # dozen commands of 16 threads each would spend their time waiting for each other.
         self.process = subprocess.Popen([sys.executable, "-m", "autograder.warm"], cwd=ROOT,
-                                        env=nbgrader_environment(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env=nbgrader_environment({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL, start_new_session=True)
         self.lock = threading.Lock()
         self.commands: dict[str, _Command] = {}
