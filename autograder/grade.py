@@ -79,8 +79,11 @@ def nbgrader_cmd(*args: str, db: Path, folders: dict[str, Path]) -> list[str]:
 
 def run_nbgrader(args: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run `nbgrader ARGS` from the course root under the memory limit, in a fresh child of this process's
-    warm server (autograder/warm.py); its exit status (None past the timeout, when it is killed) and output."""
-    code = warm.server().run(args, str(log), timeout, env, memory=MEMORY_LIMIT_BYTES)
+    warm server (autograder/warm.py); its exit status (None past the timeout, when it is killed) and output.
+    A command that grades on a GPU has no address-space limit: CUDA reserves far more than it ever uses (the
+    jail lifts its kernels' limit for the same reason)."""
+    on_gpu = (env or {}).get(DEVICE_ENV, os.environ.get(DEVICE_ENV)) != "cpu" and bool(jail.gpus())
+    code = warm.server().run(args, str(log), timeout, env, memory=0 if on_gpu else MEMORY_LIMIT_BYTES)
     text = log.read_text(errors="replace") if log.exists() else ""
     if code == warm.LOST:
         text += "\nRuntimeError: the grading server stopped while this command ran"
