@@ -33,7 +33,8 @@ def main() -> int:
                         "(default: --jobs threads here)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the tests run the learners' functions: cuda compiles their Triton kernels on a GPU, "
-                        "cpu runs them in Triton's interpreter (default: the GPU if there is one)")
+                        "cpu runs them in Triton's interpreter (default: the GPU, if there is one, for the Triton "
+                        "assignments 04-06, the CPU for the others)")
     d = sub.add_parser("demo", help="grade the sample submissions and print the table")
     d.add_argument("--out", type=Path, default=ROOT / "build" / "demo")
     d.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="students graded at once")
