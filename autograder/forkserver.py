@@ -27,12 +27,12 @@ import gc
 import glob
 import json
 import os
-import resource
 import signal
 import socket
 import struct
 import sys
 
+import limits
 import runner
 from flashcourse import DEVICE_ENV
 import wire  # noqa: F401  (imported once here, as the runner's start-up would)
@@ -82,14 +82,6 @@ def _drop_privileges(uid: int) -> None:
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs")
 
 
-def _set_limits(limits: dict, gpu: bool) -> None:
-    space = resource.RLIM_INFINITY if gpu else int(limits["address_space"])
-    for kind, value in ((resource.RLIMIT_CPU, limits["cpu_seconds"]), (resource.RLIMIT_AS, space),
-                        (resource.RLIMIT_NPROC, limits["processes"]), (resource.RLIMIT_FSIZE, limits["file_size"]),
-                        (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(kind, (int(value), int(value)))
-
-
 def _private_tmp(size: int) -> None:
     """A fresh /tmp of `size` bytes over the template's. A Python environment that lives under /tmp (a
     clone there, as bubblewrap's argv in jail.py also allows) is bound again, read-only, over the new one."""
@@ -120,7 +112,7 @@ def _become_kernel(request: dict, in_fd: int, out_fd: int, log_fd: int) -> None:
                 _check(libc.umount2(device.encode(), MNT_DETACH), f"unmount {device}")
             os.environ[DEVICE_ENV] = "cpu"
         _loopback_up()
-        _set_limits(request["limits"], bool(request.get("gpu")))
+        limits.apply(request["limits"], bool(request.get("gpu")))
         os.chdir("/tmp")
         _drop_privileges(int(request["uid"]))
         # After the change of uid, which clears it: the kernel ends if the process waiting for it does.

@@ -35,12 +35,13 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 from flashcourse import DEVICE_ENV
 
 from . import ROOT, wire
+from . import limits as kernel_limits
 
 LIBRARY = "/opt/flashcourse-grading"   # where the jail sees the runner and the kept modules
 KEPT_MODULES = ("__init__.py", "runtime.py", "memory.py", "positions.py", "distributed.py")  # answer no exercise
@@ -182,7 +183,7 @@ def _library(into: Path) -> Path:
     """The runner, the wire format and the kept flashcourse modules, readable by the jail's uid."""
     library = into / "library"
     (library / "flashcourse").mkdir(parents=True)
-    for name in ("runner.py", "wire.py", "inline_plots.py", "forkserver.py"):
+    for name in ("runner.py", "wire.py", "inline_plots.py", "forkserver.py", "limits.py"):
         shutil.copy(ROOT / "autograder" / name, library / name)
     for name in KEPT_MODULES:
         shutil.copy(ROOT / "flashcourse" / name, library / "flashcourse" / name)
@@ -214,13 +215,8 @@ def _environment(limits: Limits, gpu: bool) -> dict[str, str]:
 
 
 def _set_limits(limits: Limits, gpu: bool):
-    def apply() -> None:
-        space = resource.RLIM_INFINITY if gpu else limits.address_space
-        for kind, value in ((resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, space),
-                            (resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_FSIZE, limits.file_size),
-                            (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(kind, (value, value))
-    return apply
+    """bubblewrap's preexec_fn: the kernel's limits, set before it becomes the kernel."""
+    return partial(kernel_limits.apply, asdict(limits), gpu)
 
 
 def _lower_limits(pid: int, address_space: int, processes: int) -> None:
