@@ -390,6 +390,7 @@ class Jail:
         self.pid = 0            # the runner's pid, as this machine sees it
         self.start_size = 0     # the runner's address space once started, before any notebook code
         self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
+        self.log = None         # what the kernel printed outside the protocol (start-up errors)
 
     def start(self) -> None:
         if self.template is not None:
@@ -420,8 +421,9 @@ class Jail:
         self.pid = (_first_pid(status_in) or 0) if self.jailed else self.process.pid
         os.close(status_in)
         if not self.pid:
+            tail = self._log_tail()
             self.close()
-            raise NoJail(f"bubblewrap did not start the jail: {self._log_tail()}")
+            raise NoJail(f"bubblewrap did not start the jail: {tail}")
         self._wait_until_ready()
 
     def _start_from_template(self) -> None:
@@ -439,7 +441,7 @@ class Jail:
             for fd in (grader_in, grader_out):
                 os.close(fd)
             self.log.close()
-            self.pid = 0
+            self.log, self.pid = None, 0
             raise
         finally:
             os.close(jail_in)
@@ -450,8 +452,9 @@ class Jail:
         try:
             wire.receive(self.reader, time.monotonic() + START_TIMEOUT_S)
         except (wire.Closed, wire.TimedOut, wire.Malformed):
+            tail = self._log_tail()
             self.close()
-            raise NoJail(f"the grading kernel did not start: {self._log_tail()}") from None
+            raise NoJail(f"the grading kernel did not start: {tail}") from None
         self.start_size = vm_size(self.pid)
 
     def _log_tail(self) -> str:
@@ -556,6 +559,9 @@ class Jail:
             for pid in others:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGKILL)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
         shutil.rmtree(self.folder, ignore_errors=True)
         return len(others)
 
