@@ -34,8 +34,8 @@ import sys
 
 import limits
 import runner
-from flashcourse import DEVICE_ENV
 import wire  # noqa: F401  (imported once here, as the runner's start-up would)
+from flashcourse import DEVICE_ENV
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x20000000, 0x40000000

@@ -82,7 +82,7 @@ def run_nbgrader(args: list[str], log: Path, timeout: float, env: dict[str, str]
     warm server (autograder/warm.py); its exit status (None past the timeout, when it is killed) and output.
     A command that grades on a GPU has no address-space limit: CUDA reserves far more than it ever uses (the
     jail lifts its kernels' limit for the same reason)."""
-    on_gpu = (env or {}).get(DEVICE_ENV, os.environ.get(DEVICE_ENV)) != "cpu" and bool(jail.gpus())
+    on_gpu = (env or {}).get(DEVICE_ENV) != "cpu" and bool(jail.gpus())  # gpus() heeds this process's own --device
     code = warm.server().run(args, str(log), timeout, env, memory=0 if on_gpu else MEMORY_LIMIT_BYTES)
     text = log.read_text(errors="replace") if log.exists() else ""
     if code == warm.LOST:

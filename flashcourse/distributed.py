@@ -123,9 +123,9 @@ def _gather(ranks: list, pipes: list, timeout_s: float, stall_s: float | None = 
         ready = wait(list(waiting), timeout=max(poll, 0))
         if not ready:
             stuck = sorted(waiting.values())
-            if failures and time.monotonic() >= deadline:
-                break
             if time.monotonic() >= deadline:
+                if failures:
+                    break
                 raise RanksTimedOut(f"rank(s) {stuck} of {len(ranks)} did not finish within {timeout_s:g} s and "
                                     f"were killed: {_DEADLOCK}")
             if stalled is not None and not failures and stalled.seen([ranks[rank].pid for rank in stuck]):
