@@ -51,3 +51,17 @@ def test_the_command_line_says_how_to_use_it(capsys):
     """Without N and OUTDIR it prints its usage and exits 2."""
     assert classroom.main([]) == 2
     assert "python -m autograder.classroom N OUTDIR" in capsys.readouterr().err
+
+
+def test_a_class_is_handed_out_longest_first(tmp_path):
+    """The grader hands out every assignment of the course in LONGEST_FIRST's order (06 first, 01 last),
+    learners in order within each, and an assignment it has no rank for after them."""
+    from autograder import build, grade
+
+    assert sorted(grade.LONGEST_FIRST) == build.assignments()
+    classroom.build(3, tmp_path)
+    jobs, unreadable = grade.find_jobs(tmp_path)
+    assert not unreadable
+    order = [(assignment, student) for student, assignment, _ in jobs]
+    assert order == [(a, f"learner00{i}") for a in grade.LONGEST_FIRST for i in (1, 2, 3)]
+    assert grade.longest_first(("learner001", "08_new", tmp_path)) > grade.longest_first(jobs[-1])
