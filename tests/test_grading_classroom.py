@@ -65,3 +65,21 @@ def test_a_class_is_handed_out_longest_first(tmp_path):
     order = [(assignment, student) for student, assignment, _ in jobs]
     assert order == [(a, f"learner00{i}") for a in grade.LONGEST_FIRST for i in (1, 2, 3)]
     assert grade.longest_first(("learner001", "08_new", tmp_path)) > grade.longest_first(jobs[-1])
+
+
+def test_samples_hand_in_the_given_code_of_today():
+    """Every sample keeps the release's given cells as they are now (a learner edits only the solution cells),
+    so the grader is timed and tested on what learners hand in; a cell the release lacks is a learner's own."""
+    from autograder import ROOT
+
+    stale = []
+    for assignment, students in classroom.samples().items():
+        release = nbformat.read(ROOT / "notebooks" / assignment / f"{assignment}.ipynb", as_version=4)
+        given = {c.id: c.source for c in release.cells if c.cell_type == "code"
+                 and not {"solution", "grade"} & {k for k, v in c.metadata.get("nbgrader", {}).items() if v}}
+        for student in students:
+            path = classroom.SAMPLES / "submitted" / student / assignment / f"{assignment}.ipynb"
+            cells = nbformat.read(path, as_version=4).cells
+            stale += [f"{student}/{assignment} cell {c.id}" for c in cells
+                      if c.cell_type == "code" and c.id in given and c.source != given[c.id]]
+    assert not stale, f"samples whose given cells differ from the release's (copy the release's cells in): {stale}"
