@@ -34,7 +34,7 @@ FLASH_REPORT = "benchmarks/results/2026-11-29-h200.md"         # 04's kernel aga
 SWEEP_04 = "solutions/04_triton_flash/sweep.json"              # 04's own sweep on the GPU
 LAST_GAP = "flashcourse/measured/fast_last_gap.json"            # 05's last part: causal grid, FP8 errors, grid tail
 PROFILE = "flashcourse/measured/fast_profile.json"              # Nsight Compute at T = 1k and 16k, reduced
-RING_REPORT = "benchmarks/results/2026-11-30-h200x2-ring.md"   # 07's ring on two H200s (bench_ring)
+RING_REPORT = "benchmarks/results/2026-11-30-h200x2-ring-05.md"   # 07's ring on two H200s (bench_ring)
 LPT_GROUPS = "flashcourse/measured/fast_lpt_groups.json"        # longest first in L2-sized head groups
 LAST_GAP_2 = "flashcourse/measured/fast_last_gap_2.json"        # 05's last part: the grid with the lse forward, decode
 TRIALS = "flashcourse/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
@@ -405,8 +405,8 @@ FIGURES: dict[str, Figure] = {
                                       / _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 2),
     "ring.contiguous_over_zigzag_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, contiguous, overlapped", "ms")
                                                / _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 2),
-    "ring.overlap_gain_64k_pct": Figure(RING_REPORT, lambda r: 100 * (_ring(r, 65536, "ring, zigzag, not overlapped", "ms")
-                                                                      / _ring(r, 65536, "ring, zigzag, overlapped", "ms") - 1), 1),
+    "ring.overlap_gain_256k_pct": Figure(RING_REPORT, lambda r: 100 * (_ring(r, 262144, "ring, zigzag, not overlapped", "ms")
+                                                                      / _ring(r, 262144, "ring, zigzag, overlapped", "ms") - 1), 1),
     "ring.max_diff": Figure(RING_REPORT, lambda r: max(float(row["max abs diff"]) for row in r.tables[0]
                                                        if row["what"].startswith("ring")), 5),
 }
