@@ -3,7 +3,7 @@ among them, and what each learner's notebook should score."""
 
 import nbformat
 
-from autograder import classroom
+from autograder import ROOT, build, classroom, grade
 from conftest import expected_scores
 
 
@@ -56,8 +56,6 @@ def test_the_command_line_says_how_to_use_it(capsys):
 def test_a_class_is_handed_out_longest_first(tmp_path):
     """The grader hands out every assignment of the course in LONGEST_FIRST's order (06 first, 01 last),
     learners in order within each, and an assignment it has no rank for after them."""
-    from autograder import build, grade
-
     assert sorted(grade.LONGEST_FIRST) == build.assignments()
     classroom.build(3, tmp_path)
     jobs, unreadable = grade.find_jobs(tmp_path)
@@ -70,13 +68,11 @@ def test_a_class_is_handed_out_longest_first(tmp_path):
 def test_samples_hand_in_the_given_code_of_today():
     """Every sample keeps the release's given cells as they are now (a learner edits only the solution cells),
     so the grader is timed and tested on what learners hand in; a cell the release lacks is a learner's own."""
-    from autograder import ROOT
-
     stale = []
     for assignment, students in classroom.samples().items():
         release = nbformat.read(ROOT / "notebooks" / assignment / f"{assignment}.ipynb", as_version=4)
         given = {c.id: c.source for c in release.cells if c.cell_type == "code"
-                 and not {"solution", "grade"} & {k for k, v in c.metadata.get("nbgrader", {}).items() if v}}
+                 and not (c.metadata.get("nbgrader", {}).get("solution") or c.metadata.get("nbgrader", {}).get("grade"))}
         for student in students:
             path = classroom.SAMPLES / "submitted" / student / assignment / f"{assignment}.ipynb"
             cells = nbformat.read(path, as_version=4).cells
