@@ -93,6 +93,37 @@ def test_test_cells_are_self_contained(assignment):
                               "import or define them in the test cell itself")
 
 
+def _bound_names(code: str) -> set[str]:
+    """Names a cell binds at its top level (imports, assignments, definitions)."""
+    import symtable
+
+    return {s.get_name() for s in symtable.symtable(code, "<cell>", "exec").get_symbols()
+            if s.is_assigned() or s.is_imported()}
+
+
+@pytest.mark.parametrize("assignment", ASSIGNMENTS)
+def test_demo_cells_define_nothing_later_cells_use(assignment):
+    """Grading leaves out the cells tagged demo, so no later cell may read a name that a demo cell was the last to bind."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    from autograder.execute import DEMO
+
+    as_python = TransformerManager().transform_cell    # %pip and friends become plain calls
+    from_demo: dict[str, str] = {}   # name -> id of the demo cell that bound it last
+    for cell in _source(assignment).cells:
+        if cell.cell_type != "code":
+            continue
+        if DEMO in cell.metadata.get("tags", []):
+            from_demo.update(dict.fromkeys(_bound_names(as_python(cell.source)), cell.get("id")))
+            continue
+        code = as_python(cell.source)
+        used = {name: from_demo[name] for name in _free_names(code) if name in from_demo}
+        assert not used, (f"{assignment} cell {cell.get('id')} reads {used} (name: demo cell), which grading "
+                          "does not run: bind them in a cell that is not tagged demo")
+        for name in _bound_names(code):
+            from_demo.pop(name, None)
+
+
 
 def _executed_solution(assignment, tmp_path, monkeypatch):
     """A copy of source/<assignment> and an "executed" solution of it under tmp_path, one of whose code cells
