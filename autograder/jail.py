@@ -510,8 +510,9 @@ class Jail:
             # the allowance may be held already.
             held, allowed = vm_size(child) - self.start_size, address_space - self.start_size
             if held > allowed // 2:
-                raise MeasurementRefused(f"the process of the measured call already held {held >> 20} MiB more than "
-                                         f"the kernel at start-up, and the check allows {allowed >> 20} MiB")
+                raise MeasurementRefused(f"before the call the notebook's kernel already held {held >> 20} MiB more "
+                                         f"than at start-up, and the check allows {allowed >> 20} MiB: delete large "
+                                         "tensors that earlier cells keep")
             yield child
         finally:
             _signal_and_wait(children, signal.SIGKILL)  # gone before anything else reads the runner's pipe

@@ -146,6 +146,18 @@ def test_a_measured_child_that_maps_memory_early_is_refused(start):
     kernel.close()
 
 
+def test_a_kernel_that_keeps_a_large_tensor_is_not_measured(start):
+    """A notebook whose cells keep a large tensor cannot spend it inside a measured call: the call is refused,
+    and the message says what to delete."""
+    kernel = start()
+    run(kernel, "import torch\nkept = torch.ones(300 << 18)   # 300 MiB of float32")
+    with pytest.raises(jail.MeasurementRefused, match="delete large tensors that earlier cells keep"):
+        with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60):
+            pass
+    assert run(kernel, "print(kept.numel())").strip() == str(300 << 18)
+    kernel.close()
+
+
 def test_processes_die_with_the_jail(start):
     """Processes the notebook detached are counted at the end and do not outlive the jail."""
     started = start()
