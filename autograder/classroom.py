@@ -32,6 +32,13 @@ CHEATS = {
                   "    except Exception: pass",
 }
 
+# Where a sample scores otherwise when its kernels are compiled on a GPU, (assignment, student) -> questions:
+# a GPU grows the hidden cases and autotunes other block sizes, which can expose more of a planted mistake.
+# bug_causal_bound_backward rounds the dK/dV loop's first query block up; with the interpreter's 16 x 16
+# blocks the hidden chunked-prefill case (T = 13, S = 50) never meets it, with the H200's 32 x 64 blocks on
+# the grown case (T = 52, S = 200) it drops rows.
+ON_GPU = {("06_backward", "bug_causal_bound_backward"): {"test_flash_attention_backward": 0}}
+
 
 def samples() -> dict[str, list[str]]:
     """For each assignment, the students with a sample submission of it, sorted."""
@@ -63,10 +70,13 @@ def plan(learners: int) -> dict[tuple[str, str], str]:
     return chosen
 
 
-def expected_at_most(learners: int) -> dict[tuple[str, str], dict[str, float]]:
+def expected_at_most(learners: int, on_gpu: frozenset[str] = frozenset()) -> dict[tuple[str, str], dict[str, float]]:
     """(learner, assignment) -> the most each question may earn: the sample's expected score, and for a
-    cheat the buggy sample's."""
+    cheat the buggy sample's; for the assignments in `on_gpu`, with ON_GPU's changes."""
     expected = {a: json.loads((SAMPLES / "expected" / f"{a}.json").read_text()) for a in samples()}
+    for (assignment, student), changes in ON_GPU.items():
+        if assignment in on_gpu:
+            expected[assignment][student] = {**expected[assignment][student], **changes}
     return {(learner, assignment): expected[assignment][HOSTILE_BASE[0] if source in CHEATS else source]
             for (learner, assignment), source in plan(learners).items()}
 

@@ -89,8 +89,7 @@ def run_nbgrader(args: list[str], log: Path, timeout: float, env: dict[str, str]
     warm server (autograder/warm.py); its exit status (None past the timeout, when it is killed) and output.
     A command that grades on a GPU has no address-space limit: CUDA reserves far more than it ever uses (the
     jail lifts its kernels' limit for the same reason)."""
-    on_gpu = (env or {}).get(DEVICE_ENV) != "cpu" and bool(jail.gpus())  # gpus() heeds this process's own --device
-    code = warm.server().run(args, str(log), timeout, env, memory=0 if on_gpu else MEMORY_LIMIT_BYTES)
+    code = warm.server().run(args, str(log), timeout, env, memory=0 if on_gpu(env) else MEMORY_LIMIT_BYTES)
     text = log.read_text(errors="replace") if log.exists() else ""
     if code == warm.LOST:
         text += "\nRuntimeError: the grading server stopped while this command ran"
@@ -167,6 +166,11 @@ def explain_failure(log: str) -> str:
             return words
     lines = [line.strip() for line in log.splitlines() if "Error" in line]
     return (lines or ["nbgrader failed without a message"])[-1][:300]
+
+
+def on_gpu(env: dict[str, str] | None) -> bool:
+    """Whether a command run with `env` (device_for's) grades on a GPU; gpus() heeds this process's own --device."""
+    return (env or {}).get(DEVICE_ENV) != "cpu" and bool(jail.gpus())
 
 
 def device_for(assignment: str) -> dict[str, str]:

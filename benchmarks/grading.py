@@ -78,7 +78,8 @@ def main() -> int:
 
 def unexpected(outcomes: list[grade.Outcome], learners: int) -> list[str]:
     """A line for each notebook of the class whose points differ from its sample's (exceed them, for a cheat)."""
-    limits, lines = classroom.expected_at_most(learners), []
+    on_gpu = frozenset(a for a in classroom.samples() if grade.on_gpu(grade.device_for(a)))
+    limits, lines = classroom.expected_at_most(learners, on_gpu), []
     cheats = {key for key, source in classroom.plan(learners).items() if source in classroom.CHEATS}
     for outcome in outcomes:
         key = (outcome.student, outcome.assignment)

@@ -357,10 +357,10 @@ def explain_gradients(result, case: Case, do: torch.Tensor, what: str = "backwar
     bugs = matching_bugs(got, case, do, want, rtol, atol)
     if bugs:
         return f"{message} This is exactly what happens when " + ", or when ".join(BACKWARD_BUGS[b] for b in bugs) + "."
-    blocks = _start_late_blocks(got, case, do, rtol, atol) if wrong[0][0] != "dq" else None
-    if blocks:
-        return (f"{message} This is exactly what happens (with BLOCK_M = {blocks[0]}, BLOCK_N = {blocks[1]}) when "
-                f"{START_LATE}.")
+    blocks = _start_late_blocks(got, case, do, rtol, atol) if wrong[0][0] != "dq" else []
+    if blocks:  # on one case several block sizes can drop the same rows: all of them are named
+        sizes = " or ".join(f"({m}, {n})" for m, n in blocks)
+        return (f"{message} This is exactly what happens (with (BLOCK_M, BLOCK_N) = {sizes}) when {START_LATE}.")
     return message + (" Check Delta = rowsum(dO * O), P = exp(S - lse) on visible keys only, the scale in dQ and "
                       "dK, and that dK and dV sum over the query heads of each KV head.")
 
@@ -406,13 +406,15 @@ def dkdv_start_variant(case: Case, do: torch.Tensor, block_m: int, block_n: int,
     return backward_variant(case, do, kv_dropped=dropped)
 
 
-def _start_late_blocks(got, case: Case, do: torch.Tensor, rtol: float, atol: float) -> tuple[int, int] | None:
-    """The first (BLOCK_M, BLOCK_N) whose start-late dK/dV `got` equals, or None."""
+def _start_late_blocks(got, case: Case, do: torch.Tensor, rtol: float, atol: float) -> list[tuple[int, int]]:
+    """Every (BLOCK_M, BLOCK_N) whose start-late dK/dV (either way of starting late) `got` equals."""
+    found = []
     for (block_m, block_n), rounded_up in itertools.product(KERNEL_BLOCKS, (False, True)):
         wrong = dkdv_start_variant(case, do, block_m, block_n, rounded_up)
-        if wrong is not None and all(bool(ac._close(g, w, 2 * rtol, 2 * atol).all()) for g, w in zip(got, wrong)):
-            return block_m, block_n
-    return None
+        if (block_m, block_n) not in found and wrong is not None and \
+                all(bool(ac._close(g, w, 2 * rtol, 2 * atol).all()) for g, w in zip(got, wrong)):
+            found.append((block_m, block_n))
+    return found
 
 
 def call_backward(fn: Callable, case: Case, do: torch.Tensor | None = None):

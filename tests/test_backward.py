@@ -123,6 +123,16 @@ def test_nan_on_rows_without_key_is_named():
     assert bc.explain_gradients(result, full, do) is None, "no row is empty: the same code is correct there"
 
 
+def test_a_late_start_names_every_block_size_that_explains_it():
+    """A dK/dV loop that rounds its first query block up, with 32 x 64 blocks at offset 36, drops the same rows
+    as one starting a block late with 16 x 64 blocks: the diagnosis names both sizes, not only the first it tried."""
+    case = ac.make_case("query offset 36", batch=1, q_heads=2, kv_heads=1, t=92, s=200, d=16, query_offset=36, seed=7)
+    do = bc.upstream(case)
+    late = bc.dkdv_start_variant(case, do, 32, 64, rounded_up=True)
+    message = bc.explain_gradients(late, case, do)
+    assert bc.START_LATE in message and "(16, 64)" in message and "(32, 64)" in message, message
+
+
 @pytest.mark.parametrize("bug, edit", [
     ("lse_is_max", ("lse = torch.where(seen, m + torch.log(torch.where(seen, l, torch.ones_like(l))), m)", "lse = m")),
     ("lse_log_l", ("m + torch.log(torch.where(seen, l,", "torch.log(torch.where(seen, l,")),
