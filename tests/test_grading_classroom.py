@@ -80,8 +80,8 @@ def test_a_class_is_handed_out_longest_first(tmp_path):
 
 
 def test_samples_hand_in_the_given_code_of_today():
-    """Every sample keeps the release's given cells as they are now (a learner edits only the solution cells),
-    so the grader is timed and tested on what learners hand in; a cell the release lacks is a learner's own."""
+    """Every sample keeps all of the release's given cells as they are now (a learner edits only the solution
+    cells), so the grader is timed and tested on what learners hand in; a cell the release lacks is a learner's own."""
     stale = []
     for assignment, students in classroom.samples().items():
         release = nbformat.read(ROOT / "notebooks" / assignment / f"{assignment}.ipynb", as_version=4)
@@ -92,4 +92,5 @@ def test_samples_hand_in_the_given_code_of_today():
             cells = nbformat.read(path, as_version=4).cells
             stale += [f"{student}/{assignment} cell {c.id}" for c in cells
                       if c.cell_type == "code" and c.id in given and c.source != given[c.id]]
+            stale += [f"{student}/{assignment} lacks cell {i}" for i in sorted(set(given) - {c.id for c in cells})]
     assert not stale, f"samples whose given cells differ from the release's (copy the release's cells in): {stale}"
