@@ -157,10 +157,12 @@ class Session:
         try:
             with kernel.measured_child(address_space, deadline) as child:
                 try:
-                    return kernel.ask_child(child, request, tensors, deadline)
+                    answer = kernel.ask_child(child, request, tensors, deadline)
                 except wire.Closed:
                     return {"raised": ["MemoryError", "its process ended without an answer (killed or crashed "
                                                       "under the limit)"]}, {}
+                kernel.check_resident(child)
+                return answer
         except jail.MeasurementRefused as refused:
             return {"raised": ["MemoryError", str(refused)]}, {}
 

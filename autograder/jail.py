@@ -65,6 +65,11 @@ class NoJail(RuntimeError):
     """No jail can be built on this machine."""
 
 
+# Resident memory a measured call may add beyond its allowance: pages of the libraries it reads for the first
+# time (a forked process maps its parent's file pages again as it touches them; about 50 MiB for 06's probe).
+RESIDENT_MARGIN = 64 << 20
+
+
 class MeasurementRefused(RuntimeError):
     """The jail's processes did not follow the protocol of a measured call."""
 
@@ -234,15 +239,20 @@ def _lower_limits(pid: int, address_space: int, processes: int) -> None:
                     f"--nproc={processes}:{processes}"], check=True, capture_output=True, timeout=30)
 
 
-def vm_size(pid: int) -> int:
-    """Bytes of address space a process has mapped, as the kernel counts it (0 once it is gone)."""
+def _status_bytes(pid: int, field: str) -> int:
+    """A size from /proc/PID/status ("VmSize", "VmRSS", "VmHWM"), in bytes; 0 once the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmSize:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def vm_size(pid: int) -> int:
+    """Bytes of address space a process has mapped, as the kernel counts it (0 once it is gone)."""
+    return _status_bytes(pid, "VmSize")
 
 
 def descendants(pid: int) -> list[int]:
@@ -389,6 +399,7 @@ class Jail:
         self.pidfd = -1         # the runner's, for a kernel forked by the template
         self.pid = 0            # the runner's pid, as this machine sees it
         self.start_size = 0     # the runner's address space once started, before any notebook code
+        self.resident_limit = 0  # the most a measured call's process may have resident at its peak
         self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
         self.log = None         # what the kernel printed outside the protocol (start-up errors)
 
@@ -513,12 +524,25 @@ class Jail:
                 raise MeasurementRefused(f"before the call the notebook's kernel already held {held >> 20} MiB more "
                                          f"than at start-up, and the check allows {allowed >> 20} MiB: delete large "
                                          "tensors that earlier cells keep")
+            # The address-space limit does not see memory made usable inside what is already mapped (an
+            # mprotect of a reservation such as CUDA's 13 GiB): what the process makes resident is read too.
+            self.resident_limit = _status_bytes(child, "VmRSS") + allowed + RESIDENT_MARGIN
             yield child
         finally:
             _signal_and_wait(children, signal.SIGKILL)  # gone before anything else reads the runner's pipe
             for pid in stopped:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGCONT)
+
+    def check_resident(self, child: int) -> None:
+        """After the measured call has answered: MeasurementRefused unless its process is still there (the
+        runner's child waits to be killed) and its peak resident memory stayed within resident_limit."""
+        peak = _status_bytes(child, "VmHWM")
+        if child not in self.others() or not peak:
+            raise MeasurementRefused("the process of the measured call ended before its memory could be read")
+        if peak > self.resident_limit:
+            raise MeasurementRefused(f"the measured call's process had {peak >> 20} MiB resident at its peak, more "
+                                     f"than the {self.resident_limit >> 20} MiB its allowance permits")
 
     def ask_child(self, child: int, request: dict, tensors: dict | None, deadline: float) -> tuple[dict, dict]:
         """ask, answered by the measured child: wire.Closed as soon as the child is gone without an answer

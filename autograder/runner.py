@@ -8,8 +8,8 @@ It reads requests from IN_FD and answers on OUT_FD, in autograder/wire.py's form
     the same with "ranks": {"backend": ..., "timeout_s": ...}: args is one list of arguments per rank, and
     the function is called on every rank of a process group (flashcourse.distributed); the value is
     the list of the ranks' answers
-    {"op": "fork"}: a child of this process answers {"forked": true}, then reads one "call" request and
-    answers it, while this process waits for it to end. The grader stops every other process of the
+    {"op": "fork"}: a child of this process answers {"forked": true}, then reads one "call" request,
+    answers it and waits to be killed, while this process waits for it to end. The grader stops every other process of the
     jail and limits the child's memory from outside before it sends that request (a measured call).
 Everything here runs beside the learner's code, which can change any of it: the grader trusts none
 of what comes back beyond its format. Test code and expected answers never come here, only the
@@ -141,6 +141,7 @@ def measured_call(shell, in_fd: int, out_fd: int) -> None:
             request, tensors = wire.receive(in_fd)
             if request.get("op") == "call":
                 answer(shell, request, tensors, out_fd)
+                os.read(in_fd, 1)  # wait to be killed: the grader reads this process's peak memory first
         finally:
             os._exit(0)
     os.waitpid(child, 0)

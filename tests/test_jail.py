@@ -146,6 +146,68 @@ def test_a_measured_child_that_maps_memory_early_is_refused(start):
     kernel.close()
 
 
+MPROTECT_RESERVATION = """
+import ctypes
+PROT_NONE, PROT_RW, PRIVATE_ANONYMOUS_NORESERVE = 0, 1 | 2, 0x02 | 0x20 | 0x4000   # Linux's values
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+RESERVED = 1 << 30
+reservation = libc.mmap(None, RESERVED, PROT_NONE, PRIVATE_ANONYMOUS_NORESERVE, -1, 0)
+
+def spend(mib):
+    '''Inside the measured call: make the reservation usable (no new address space) and fill mib MiB of it.'''
+    assert libc.mprotect(ctypes.c_void_p(reservation), RESERVED, PROT_RW) == 0
+    ctypes.memset(reservation, 1, mib << 20)
+    return mib
+"""
+
+
+@pytest.mark.parametrize("mib, refused", [(512, True), (64, False)])
+def test_memory_made_usable_inside_a_reservation_is_counted(start, mib, refused):
+    """A process that start-up left with a large PROT_NONE reservation (CUDA's is about 13 GiB) can mprotect it
+    and compute inside it without mapping new address space: the measured call's peak resident memory is read
+    too, so 512 MiB spent that way is refused, while 64 MiB within the allowance is not."""
+    kernel = start()
+    run(kernel, MPROTECT_RESERVATION)
+    kernel.start_size = jail.vm_size(kernel.pid)   # as if the runner's start-up had made the reservation
+    with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
+        request = {"op": "call", "name": "spend", "args": wire.encode([mib], {}), "kwargs": {"dict": []}}
+        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        assert answer.get("value") == wire.encode(mib, {}), answer   # the address-space limit let it through
+        if refused:
+            with pytest.raises(jail.MeasurementRefused, match="resident at its peak"):
+                kernel.check_resident(child)
+        else:
+            kernel.check_resident(child)
+    kernel.close()
+
+
+def test_a_measured_call_that_ends_before_it_is_read_is_refused(start):
+    """A notebook that rewrites the runner so the measured call's process exits as soon as it has answered
+    (before its peak memory can be read) gets no measurement."""
+    kernel = start()
+    run(kernel, "import os, sys, wire\n"
+                "def quick(shell, in_fd, out_fd):\n"
+                "    if os.fork() == 0:\n"
+                "        wire.send(out_fd, {'forked': True})\n"
+                "        wire.receive(in_fd)\n"
+                "        wire.send(out_fd, {'value': 1})\n"
+                "        os._exit(0)\n"
+                "    os.wait()\n"
+                "for module in list(sys.modules.values()):\n"
+                "    if callable(getattr(module, 'measured_call', None)):\n"
+                "        module.measured_call = quick")
+    with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
+        request = {"op": "call", "name": "print", "args": wire.encode([], {}), "kwargs": {"dict": []}}
+        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        assert answer == {"value": 1}
+        time.sleep(0.5)
+        with pytest.raises(jail.MeasurementRefused, match="ended before its memory could be read"):
+            kernel.check_resident(child)
+    kernel.close()
+
+
 def test_a_kernel_that_keeps_a_large_tensor_is_not_measured(start):
     """A notebook whose cells keep a large tensor cannot spend it inside a measured call: the call is refused,
     and the message says what to delete."""
