@@ -525,7 +525,7 @@ class Jail:
                                          f"than at start-up, and the check allows {allowed >> 20} MiB: delete large "
                                          "tensors that earlier cells keep")
             # The address-space limit does not see memory made usable inside what is already mapped (an
-            # mprotect of a reservation such as CUDA's 13 GiB): what the process makes resident is read too.
+            # mprotect of what start-up reserved, as CUDA maps some 13 GiB): what it makes resident is read too.
             self.resident_limit = _status_bytes(child, "VmRSS") + allowed + RESIDENT_MARGIN
             yield child
         finally:
