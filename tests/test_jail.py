@@ -165,9 +165,9 @@ def spend(mib):
 
 @pytest.mark.parametrize("mib, refused", [(512, True), (64, False)])
 def test_memory_made_usable_inside_a_reservation_is_counted(start, mib, refused):
-    """A process that start-up left with a large PROT_NONE reservation (CUDA maps some 13 GiB at start-up) can mprotect it
-    and compute inside it without mapping new address space: the measured call's peak resident memory is read
-    too, so 512 MiB spent that way is refused, while 64 MiB within the allowance is not."""
+    """A process that start-up left with a large PROT_NONE reservation (CUDA maps some 13 GiB at start-up) can
+    mprotect it and compute inside it without mapping new address space: the measured call's peak resident
+    memory is read too, so 512 MiB spent that way is refused, while 64 MiB within the allowance is not."""
     kernel = start()
     run(kernel, MPROTECT_RESERVATION)
     kernel.start_size = jail.vm_size(kernel.pid)   # as if the runner's start-up had made the reservation
