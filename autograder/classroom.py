@@ -70,7 +70,8 @@ def plan(learners: int) -> dict[tuple[str, str], str]:
     return chosen
 
 
-def expected_at_most(learners: int, on_gpu: frozenset[str] = frozenset()) -> dict[tuple[str, str], dict[str, float]]:
+def expected_at_most(learners: int,
+                     on_gpu: frozenset[str] = frozenset()) -> dict[tuple[str, str], dict[str, float]]:
     """(learner, assignment) -> the most each question may earn: the sample's expected score, and for a
     cheat the buggy sample's; for the assignments in `on_gpu`, with ON_GPU's changes."""
     expected = {a: json.loads((SAMPLES / "expected" / f"{a}.json").read_text()) for a in samples()}

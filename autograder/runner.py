@@ -9,8 +9,9 @@ It reads requests from IN_FD and answers on OUT_FD, in autograder/wire.py's form
     the function is called on every rank of a process group (flashcourse.distributed); the value is
     the list of the ranks' answers
     {"op": "fork"}: a child of this process answers {"forked": true}, then reads one "call" request,
-    answers it and waits to be killed, while this process waits for it to end. The grader stops every other process of the
-    jail and limits the child's memory from outside before it sends that request (a measured call).
+    answers it and waits to be killed, while this process waits for it to end. The grader stops every
+    other process of the jail and limits the child's memory from outside before it sends that request,
+    and reads the child's peak memory after the answer (a measured call).
 Everything here runs beside the learner's code, which can change any of it: the grader trusts none
 of what comes back beyond its format. Test code and expected answers never come here, only the
 inputs the grader's tests call the learner's functions with.

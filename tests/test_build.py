@@ -103,7 +103,7 @@ def _bound_names(code: str) -> set[str]:
 
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_demo_cells_define_nothing_later_cells_use(assignment):
-    """Grading leaves out the cells tagged demo, so no later cell may read a name that a demo cell was the last to bind."""
+    """Grading leaves out the cells tagged demo: no later cell may read a name that a demo cell bound last."""
     from IPython.core.inputtransformer2 import TransformerManager
 
     from autograder.execute import DEMO
