@@ -60,13 +60,20 @@ def test_release_hides_solutions_and_hidden_tests(assignment):
         assert leak not in text, f"notebooks/{assignment} leaks {leak!r}"
 
 
+def _bound_names(code: str) -> set[str]:
+    """Names a cell binds at its top level (imports, assignments, definitions)."""
+    import symtable
+
+    return {s.get_name() for s in symtable.symtable(code, "<cell>", "exec").get_symbols()
+            if s.is_assigned() or s.is_imported()}
+
+
 def _free_names(code: str) -> set[str]:
     """Names a cell reads but never binds itself (imports, assignments, definitions), nested scopes included."""
     import builtins
     import symtable
 
     top = symtable.symtable(code, "<cell>", "exec")
-    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
     free, tables = set(), [top]
     while tables:
         table = tables.pop()
@@ -75,7 +82,7 @@ def _free_names(code: str) -> set[str]:
             if symbol.is_referenced() and (table is top or symbol.is_global()) and \
                     not symbol.is_assigned() and not symbol.is_imported():
                 free.add(symbol.get_name())
-    return free - bound - set(dir(builtins))
+    return free - _bound_names(code) - set(dir(builtins))
 
 
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
@@ -91,14 +98,6 @@ def test_test_cells_are_self_contained(assignment):
             free = _free_names(cell.source) - graded
             assert not free, (f"{assignment}/{meta['grade_id']} uses {sorted(free)} from earlier cells: "
                               "import or define them in the test cell itself")
-
-
-def _bound_names(code: str) -> set[str]:
-    """Names a cell binds at its top level (imports, assignments, definitions)."""
-    import symtable
-
-    return {s.get_name() for s in symtable.symtable(code, "<cell>", "exec").get_symbols()
-            if s.is_assigned() or s.is_imported()}
 
 
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
