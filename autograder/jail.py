@@ -65,8 +65,9 @@ class NoJail(RuntimeError):
     """No jail can be built on this machine."""
 
 
-# Resident memory a measured call may add beyond its allowance: pages of the libraries it reads for the first
-# time (a forked process maps its parent's file pages again as it touches them; about 50 MiB for 06's probe).
+# Resident memory a measured call may add beyond its allowance, for the allocator's slack: freed blocks it keeps
+# and the heap it grows in steps. Pages of files (the libraries a forked process maps again as it touches them,
+# some 70 MiB in 06's probe) are not counted at all: they cannot hold the learner's data.
 RESIDENT_MARGIN = 64 << 20
 
 
@@ -237,6 +238,11 @@ def _lower_limits(pid: int, address_space: int, processes: int) -> None:
     subprocess.run(["/usr/bin/setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--",
                     "/usr/bin/prlimit", "--pid", str(pid), f"--as={address_space}:{address_space}",
                     f"--nproc={processes}:{processes}"], check=True, capture_output=True, timeout=30)
+
+
+def _writable_resident(pid: int) -> int:
+    """Bytes of PID's resident pages that can hold data (anonymous and shared memory; not files' pages)."""
+    return _status_bytes(pid, "RssAnon") + _status_bytes(pid, "RssShmem")
 
 
 def _status_bytes(pid: int, field: str) -> int:
@@ -526,7 +532,7 @@ class Jail:
                                          "tensors that earlier cells keep")
             # The address-space limit does not see memory made usable inside what is already mapped (an
             # mprotect of what start-up reserved, as CUDA maps some 13 GiB): what it makes resident is read too.
-            self.resident_limit = _status_bytes(child, "VmRSS") + allowed + RESIDENT_MARGIN
+            self.resident_limit = _writable_resident(child) + allowed + RESIDENT_MARGIN
             yield child
         finally:
             _signal_and_wait(children, signal.SIGKILL)  # gone before anything else reads the runner's pipe
@@ -536,13 +542,22 @@ class Jail:
 
     def check_resident(self, child: int) -> None:
         """After the measured call has answered: MeasurementRefused unless its process is still there (the
-        runner's child waits to be killed) and its peak resident memory stayed within resident_limit."""
-        peak = _status_bytes(child, "VmHWM")
-        if child not in self.others() or not peak:
+        runner's child waits to be killed) and its peak resident memory, less the file pages it has mapped by
+        the end, stayed within resident_limit.
+
+        The kernel keeps only the peak of all resident pages (VmHWM). File pages are mapped again as the
+        forked process touches its libraries, more or fewer by chance, and are only added during the call
+        (unless the machine runs so short of memory that it drops some), so the peak less those at the end
+        is at most what the call held in anonymous and shared memory at its peak: an honest call is never
+        refused for the pages of libraries it read.
+        """
+        peak = _status_bytes(child, "VmHWM") - _status_bytes(child, "RssFile")
+        if child not in self.others() or peak <= 0:
             raise MeasurementRefused("the process of the measured call ended before its memory could be read")
         if peak > self.resident_limit:
-            raise MeasurementRefused(f"the measured call's process had {peak >> 20} MiB resident at its peak, more "
-                                     f"than the {self.resident_limit >> 20} MiB its allowance permits")
+            raise MeasurementRefused(f"the measured call's process had {peak >> 20} MiB resident at its peak (files' "
+                                     f"pages aside), more than the {self.resident_limit >> 20} MiB its allowance "
+                                     "permits")
 
     def ask_child(self, child: int, request: dict, tensors: dict | None, deadline: float) -> tuple[dict, dict]:
         """ask, answered by the measured child: wire.Closed as soon as the child is gone without an answer

@@ -29,5 +29,12 @@ def test_flash_and_sdpa_curves_agree():
     """Four steps, one layer: the course's kernels and SDPA give losses within 1e-4 of each other (float32)."""
     result = gpt.train_both()
     assert result["steps"] == 4 and len(result["sdpa"]) == len(result["flash_attention_train"]) == 4
-    assert abs(result["sdpa"][0] - math.log(256)) < 0.1, "an untrained model predicts bytes about uniformly"
     assert result["max_difference"] < 1e-4, result
+
+
+def test_an_untrained_model_predicts_bytes_about_uniformly():
+    """Step 0's loss over 64 sequences is within 0.1 of log 256 for any seed (a batch of 2 is too small a sample:
+    its loss moves by tenths with the text of the corpus)."""
+    for seed in (0, 1):
+        first = gpt.train(gpt.sdpa_attention, 1, gpt.CPU_CONFIG, batch=64, seed=seed)[0]
+        assert abs(first - math.log(256)) < 0.1, f"seed {seed}: step 0's loss {first:.3f}, log 256 = 5.545"

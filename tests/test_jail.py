@@ -183,6 +183,43 @@ def test_memory_made_usable_inside_a_reservation_is_counted(start, mib, refused)
     kernel.close()
 
 
+READ_LIBRARY = """
+import ctypes
+import torch
+mapped = []   # torch's largest library, mapped at start-up: (start, end) of each of its mappings
+for line in open("/proc/self/maps"):
+    where, _, _, _, _, *path = line.split()
+    if path and path[0].endswith("libtorch_cpu.so"):
+        mapped.append(tuple(int(x, 16) for x in where.split("-")))
+
+def read_library(mib):
+    '''Inside the measured call: read a byte of each page of mib MiB of the library, mapping those pages again.'''
+    pages = 0
+    for first, end in mapped:
+        for address in range(first, end, 4096):
+            if pages == mib << 8:
+                return pages
+            ctypes.c_char.from_address(address).value
+            pages += 1
+    return pages
+"""
+
+
+def test_pages_of_files_a_measured_call_reads_are_not_counted(start):
+    """A forked process maps its libraries' pages again as it touches them, more or fewer by chance; they cannot
+    hold data, so a call that reads 200 MiB of torch's library within an allowance of 64 MiB is within it."""
+    kernel = start()
+    run(kernel, READ_LIBRARY)
+    with kernel.measured_child(kernel.start_size + (64 << 20), time.monotonic() + 60) as child:
+        request = {"op": "call", "name": "read_library", "args": wire.encode([200], {}), "kwargs": {"dict": []}}
+        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        assert answer.get("value") == wire.encode(200 << 8, {}), answer
+        peak, written = jail._status_bytes(child, "VmHWM"), jail._status_bytes(child, "RssAnon")
+        assert peak > written + (200 << 20), "the library's pages should have been resident"
+        kernel.check_resident(child)
+    kernel.close()
+
+
 def test_a_measured_call_that_ends_before_it_is_read_is_refused(start):
     """A notebook that rewrites the runner so the measured call's process exits as soon as it has answered
     (before its peak memory can be read) gets no measurement."""
