@@ -405,6 +405,7 @@ class Jail:
         self.pidfd = -1         # the runner's, for a kernel forked by the template
         self.pid = 0            # the runner's pid, as this machine sees it
         self.start_size = 0     # the runner's address space once started, before any notebook code
+        self.start_resident = 0  # and its resident memory that can hold data (_writable_resident)
         self.resident_limit = 0  # the most a measured call's process may have resident at its peak
         self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
         self.log = None         # what the kernel printed outside the protocol (start-up errors)
@@ -472,7 +473,7 @@ class Jail:
             tail = self._log_tail()
             self.close()
             raise NoJail(f"the grading kernel did not start: {tail}") from None
-        self.start_size = vm_size(self.pid)
+        self.start_size, self.start_resident = vm_size(self.pid), _writable_resident(self.pid)
 
     def _log_tail(self) -> str:
         self.log.seek(0, os.SEEK_END)
@@ -523,16 +524,19 @@ class Jail:
             children |= set(self.others()) - stopped
             if children != {child}:  # it started another before its limits were set
                 raise MeasurementRefused("the kernel started other processes for the measured call")
-            # What it mapped before its limits were set stays usable: as for the runner, at most half of
-            # the allowance may be held already.
-            held, allowed = vm_size(child) - self.start_size, address_space - self.start_size
+            # What it mapped or filled before its limits were set stays usable: as for the runner, at most half
+            # of the allowance may be held already, in address space and in resident memory (pages filled
+            # inside what start-up had mapped, which the address space does not show).
+            allowed = address_space - self.start_size
+            held = max(vm_size(child) - self.start_size, _writable_resident(child) - self.start_resident)
             if held > allowed // 2:
                 raise MeasurementRefused(f"before the call the notebook's kernel already held {held >> 20} MiB more "
                                          f"than at start-up, and the check allows {allowed >> 20} MiB: delete large "
                                          "tensors that earlier cells keep")
             # The address-space limit does not see memory made usable inside what is already mapped (an
-            # mprotect of what start-up reserved, as CUDA maps some 13 GiB): what it makes resident is read too.
-            self.resident_limit = _writable_resident(child) + allowed + RESIDENT_MARGIN
+            # mprotect of what start-up reserved, as CUDA maps some 13 GiB): what it makes resident is read too,
+            # against the same bound, counted from start-up.
+            self.resident_limit = self.start_resident + allowed + RESIDENT_MARGIN
             yield child
         finally:
             _signal_and_wait(children, signal.SIGKILL)  # gone before anything else reads the runner's pipe

@@ -183,6 +183,21 @@ def test_memory_made_usable_inside_a_reservation_is_counted(start, mib, refused)
     kernel.close()
 
 
+def test_memory_filled_inside_a_reservation_before_the_call_is_held(start):
+    """The same reservation filled by a cell before the measured call, so that the forked process starts with
+    300 MiB it may overwrite without its resident memory growing: that is memory already held, and refused
+    before the call as a large tensor would be."""
+    kernel = start()
+    run(kernel, MPROTECT_RESERVATION)
+    kernel.start_size = jail.vm_size(kernel.pid)
+    run(kernel, "spend(300)")
+    assert jail.vm_size(kernel.pid) - kernel.start_size < 64 << 20, "the address space should not show it"
+    with pytest.raises(jail.MeasurementRefused, match="already held"):
+        with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60):
+            pass
+    kernel.close()
+
+
 READ_LIBRARY = """
 import ctypes
 import torch
