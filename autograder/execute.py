@@ -161,6 +161,7 @@ class Session:
                 except wire.Closed:
                     return {"raised": ["MemoryError", "its process ended without an answer (killed or crashed "
                                                       "under the limit)"]}, {}
+                kernel.check_alone(child)
                 kernel.check_resident(child)
                 return answer
         except jail.MeasurementRefused as refused:

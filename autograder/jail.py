@@ -261,6 +261,18 @@ def vm_size(pid: int) -> int:
     return _status_bytes(pid, "VmSize")
 
 
+def _cpu_used(pid: int) -> dict[int, int]:
+    """Nanoseconds on a CPU of each living thread of pid, by thread id (the scheduler's own count, exact where
+    clock ticks would hide short work); {} once it is gone."""
+    used = {}
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            used[int(stat.parent.name)] = int(stat.read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            pass
+    return used
+
+
 def descendants(pid: int) -> list[int]:
     """Every living process below pid (in the jail, orphans are reparented to the runner, pid 1)."""
     children: dict[int, list[int]] = {}
@@ -407,6 +419,7 @@ class Jail:
         self.start_size = 0     # the runner's address space once started, before any notebook code
         self.start_resident = 0  # and its resident memory that can hold data (_writable_resident)
         self.resident_limit = 0  # the most a measured call's process may have resident at its peak
+        self.stopped_cpu: dict[int, dict[int, int]] = {}  # the jail's other processes' threads during that call
         self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
         self.log = None         # what the kernel printed outside the protocol (start-up errors)
 
@@ -516,6 +529,7 @@ class Jail:
             answer, _ = self.ask({"op": "fork"}, None, deadline)
             _signal_and_wait({self.pid}, signal.SIGSTOP)
             stopped.add(self.pid)
+            self.stopped_cpu = {pid: _cpu_used(pid) for pid in stopped}
             children = set(self.others()) - stopped
             if answer != {"forked": True} or len(children) != 1:
                 raise MeasurementRefused("the kernel did not start exactly one process for the measured call")
@@ -543,6 +557,15 @@ class Jail:
             for pid in stopped:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGCONT)
+
+    def check_alone(self, child: int) -> None:
+        """After the measured call has answered: MeasurementRefused unless every other process of the jail
+        stayed stopped throughout: no process or thread was born or ended, and none ran a nanosecond.
+        Signals cannot be kept from the child, which may wake what was stopped; this sees whether it did."""
+        if {self.pid, *self.others()} != {*self.stopped_cpu, child} or \
+                any(_cpu_used(pid) != used for pid, used in self.stopped_cpu.items()):
+            raise MeasurementRefused("another process of the notebook's kernel ran during the measured call: the "
+                                     "measured function must do its work in the process that calls it")
 
     def check_resident(self, child: int) -> None:
         """After the measured call has answered: MeasurementRefused unless its process is still there (the
@@ -611,11 +634,18 @@ class Jail:
 
 
 def _state(pid: int) -> str:
-    """The process's state letter (R, S, T, Z...), or "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+    """The process's state letter (R, S, T, Z...), or "" once it is gone: "T" only once every thread has
+    stopped (a signal stops the threads one by one)."""
+    states = set()
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.add(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            pass
+    running = states - {"T", "t", "Z", "X"}
+    if running:
+        return min(running)
+    return "" if not states else "T" if states <= {"T", "t"} else "Z"
 
 
 def _signal_and_wait(pids: set[int], sent: int, timeout: float = 10.0) -> None:

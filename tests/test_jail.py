@@ -198,6 +198,41 @@ def test_memory_filled_inside_a_reservation_before_the_call_is_held(start):
     kernel.close()
 
 
+HELPER = """
+import os, signal, time
+helper = os.fork()
+if helper == 0:   # waits for work: a process of the kernel that no limit of the measured call binds
+    while True:
+        time.sleep(0.01)
+
+def wake(seconds):
+    '''Inside the measured call: wake the helper the grader stopped, and let it run.'''
+    if seconds:
+        os.kill(helper, signal.SIGCONT)
+        time.sleep(seconds)
+    return seconds
+"""
+
+
+@pytest.mark.parametrize("seconds, refused", [(0.5, True), (0, False)])
+def test_a_process_woken_during_a_measured_call_is_seen(start, seconds, refused):
+    """The measured process can send SIGCONT to a process of the kernel the grader stopped, which then works for
+    it without its limits: any CPU time another process uses during the call refuses it; a process that only
+    stays there does not."""
+    kernel = start()
+    run(kernel, HELPER)
+    with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
+        request = {"op": "call", "name": "wake", "args": wire.encode([seconds], {}), "kwargs": {"dict": []}}
+        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        assert answer.get("value") == wire.encode(seconds, {}), answer
+        if refused:
+            with pytest.raises(jail.MeasurementRefused, match="ran during the measured call"):
+                kernel.check_alone(child)
+        else:
+            kernel.check_alone(child)
+    kernel.close()
+
+
 READ_LIBRARY = """
 import ctypes
 import torch
