@@ -27,6 +27,7 @@ import gc
 import glob
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -115,8 +116,6 @@ def _become_kernel(request: dict, in_fd: int, out_fd: int, log_fd: int) -> None:
         limits.apply(request["limits"], bool(request.get("gpu")))
         os.chdir("/tmp")
         _drop_privileges(int(request["uid"]))
-        # After the change of uid, which clears it: the kernel ends if the process waiting for it does.
-        _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "die with the parent")
         null = os.open("/dev/null", os.O_RDONLY)
         for fd, target in ((null, 0), (log_fd, 1), (log_fd, 2)):
             os.dup2(fd, target)
@@ -148,11 +147,19 @@ def _fork_kernel(request: dict, reply: socket.socket, in_fd: int, out_fd: int, l
             reply.close()
             _become_kernel(request, in_fd, out_fd, log_fd)
         reply.send(json.dumps({"pid": kernel}).encode())
+        ended = os.pidfd_open(kernel)
     except Exception as error:
         reply.send(json.dumps({"error": repr(error)}).encode())
         os._exit(1)
-    for fd in (reply.detach(), in_fd, out_fd, log_fd):
+    for fd in (in_fd, out_fd, log_fd):
         os.close(fd)
+    # The kernel lives while the process that asked for it holds the other end of `reply`: when that process
+    # ends, killed past a notebook's time limit or not, the kernel is killed, and its namespace with it (as
+    # pid 1 there it ignores the signal its parent's death would send).
+    while ended not in select.select([reply, ended], [], [])[0]:
+        if not reply.recv(1):
+            signal.pidfd_send_signal(ended, signal.SIGKILL)
+            break
     os.waitpid(kernel, 0)
     os._exit(0)
 

@@ -133,8 +133,9 @@ def _become_unprivileged() -> list[str]:
 
 
 # What the kernel template keeps of root's power: building namespaces and mounts, bringing up a loopback
-# interface, and dropping capabilities and identity in each kernel it forks (autograder/forkserver.py).
-TEMPLATE_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
+# interface, dropping capabilities and identity in each kernel it forks, and killing a kernel whose grading
+# process is gone (autograder/forkserver.py).
+TEMPLATE_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_KILL")
 
 
 def gpus() -> list[Path]:
@@ -356,11 +357,12 @@ class Template:
         """Let the processes this one forks from now on start their kernels from this template."""
         os.environ[TEMPLATE_ENV] = f"{self.control.fileno()},{self.pid}"
 
-    def spawn(self, limits: Limits, gpu: bool, in_fd: int, out_fd: int, log_fd: int) -> int:
-        """Fork a kernel reading in_fd and writing out_fd; its pid as this machine sees it."""
+    def spawn(self, limits: Limits, gpu: bool, in_fd: int, out_fd: int, log_fd: int) -> tuple[int, socket.socket]:
+        """Fork a kernel reading in_fd and writing out_fd: its pid as this machine sees it, and its lifeline, a
+        socket whose closing ends the kernel (as it closes when this process dies, killed or not)."""
         request = {"uid": _jail_uid(), "limits": asdict(limits), "gpu": gpu}
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with mine:
+        try:
             try:
                 socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno(), in_fd, out_fd, log_fd])
             except OSError as error:
@@ -372,17 +374,20 @@ class Template:
                 answer = json.loads(mine.recv(4096) or b"{}")
             except (OSError, ValueError):
                 answer = {}
-        if not isinstance(answer.get("pid"), int):
-            raise TemplateGone(f"the kernel template did not fork a kernel: {answer.get('error', 'no answer')}")
-        for pid in descendants(self.pid):  # its pid in the template's namespace, as this machine numbers it
-            try:
-                spaces = next(line.split()[1:] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                              if line.startswith("NSpid:"))
-            except (OSError, StopIteration):
-                continue
-            if len(spaces) >= 2 and int(spaces[1]) == answer["pid"]:
-                return pid
-        raise TemplateGone("the kernel the template forked could not be found")
+            if not isinstance(answer.get("pid"), int):
+                raise TemplateGone(f"the kernel template did not fork a kernel: {answer.get('error', 'no answer')}")
+            for pid in descendants(self.pid):  # its pid in the template's namespace, as this machine numbers it
+                try:
+                    spaces = next(line.split()[1:] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                  if line.startswith("NSpid:"))
+                except (OSError, StopIteration):
+                    continue
+                if len(spaces) >= 2 and int(spaces[1]) == answer["pid"]:
+                    return pid, mine
+            raise TemplateGone("the kernel the template forked could not be found")
+        except BaseException:
+            mine.close()
+            raise
 
     def close(self) -> None:
         self.control.close()
@@ -415,6 +420,7 @@ class Jail:
         self.gpu = bool(gpus())
         self.process: subprocess.Popen | None = None   # bubblewrap, for a kernel it started
         self.pidfd = -1         # the runner's, for a kernel forked by the template
+        self.lifeline: socket.socket | None = None  # and the socket whose closing ends that kernel
         self.pid = 0            # the runner's pid, as this machine sees it
         self.start_size = 0     # the runner's address space once started, before any notebook code
         self.start_resident = 0  # and its resident memory that can hold data (_writable_resident)
@@ -464,7 +470,8 @@ class Jail:
         self.reader, self.writer = grader_in, grader_out
         try:
             try:
-                self.pid = self.template.spawn(self.limits, self.gpu, jail_in, jail_out, self.log.fileno())
+                self.pid, self.lifeline = self.template.spawn(self.limits, self.gpu, jail_in, jail_out,
+                                                              self.log.fileno())
                 self.pidfd = os.pidfd_open(self.pid)  # signals reach this kernel, never a later process given its pid
             except ProcessLookupError:
                 raise TemplateGone("the kernel the template forked has already ended") from None
@@ -616,6 +623,9 @@ class Jail:
             select.select([self.pidfd], [], [], 10)
             os.close(self.pidfd)
             self.pidfd = -1
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
         if self.process is not None:
             with _gone_is_fine():
                 os.kill(self.pid, signal.SIGKILL)

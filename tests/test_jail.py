@@ -1,6 +1,7 @@
 """The grading jail's properties, observed from inside it: who the code is, what it sees, what it can do."""
 
 import os
+import signal
 import subprocess
 import time
 
@@ -196,6 +197,33 @@ def test_memory_filled_inside_a_reservation_before_the_call_is_held(start):
         with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60):
             pass
     kernel.close()
+
+
+def test_a_kernel_ends_with_the_process_that_asked_for_it():
+    """A kernel forked by the template is no child of the grading process that asked for it: when that process
+    is killed (a notebook past its time limit) during a cell that never ends, the kernel and whatever the
+    notebook started end too."""
+    if os.geteuid() != 0:
+        pytest.skip("a kernel template needs a root grader")
+    template = jail.Template()
+    reader, writer = os.pipe()
+    requester = os.fork()
+    if requester == 0:  # stands for the nbgrader process of one notebook
+        kernel = jail.Jail(template=template)
+        kernel.start()
+        run(kernel, "import os, time\nif os.fork() == 0:\n    time.sleep(600)")
+        os.write(writer, " ".join(map(str, [kernel.pid, *kernel.others()])).encode())
+        wire.send(kernel.writer, {"op": "run", "code": "time.sleep(600)"})   # a cell that hangs
+        time.sleep(600)
+    pids = [int(p) for p in os.read(reader, 256).split()]
+    assert len(pids) == 2, "the kernel and the process its cell started"
+    os.kill(requester, signal.SIGKILL)
+    os.waitpid(requester, 0)
+    deadline = time.monotonic() + 10
+    while any(jail._state(pid) not in ("", "Z", "X") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(jail._state(pid) in ("", "Z", "X") for pid in pids), "the kernel outlived the grading process"
+    template.close()
 
 
 HELPER = """
