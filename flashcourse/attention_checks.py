@@ -31,9 +31,10 @@ Dao et al. (2022), FlashAttention.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -503,7 +504,17 @@ PROBE_SCORE_BYTES = 512 << 20    # one float32 [B, Hq, T, S] score matrix of the
 PROBE_ALLOWANCE = 384 << 20      # what the call may map beyond its process's start-up size (a tiled
                                  # function holds a few [B, Hq, T, PROBE_TILE] tensors, tens of MiB)
 PROBE_TILE = 256
-PROBE_ROWS = 8                   # query rows compared with the reference at the large size
+PROBE_ROWS = 32                  # query rows compared with the reference at the large size (probe_rows)
+
+
+def probe_rows(answer: Sequence[torch.Tensor], t: int) -> torch.Tensor:
+    """PROBE_ROWS of the T query rows, drawn from a hash of the answer itself: which rows are compared is known
+    only once the answer is given, so an answer right on a few rows alone cannot be aimed at them."""
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in answer:
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    seed = int.from_bytes(digest.digest(), "little") >> 1
+    return torch.randperm(t, generator=torch.Generator().manual_seed(seed))[:PROBE_ROWS]
 
 
 def check_memory_from_outside(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
@@ -532,7 +543,7 @@ def check_memory_from_outside(fn: Callable, case: Case, tile_arg: str = "tile") 
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != expected_shape:
         raise AssertionError(f"{what}, {big.describe()}: expected an output of shape {list(expected_shape)}, got "
                              f"{list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
-    rows = torch.randperm(big.q.shape[2], generator=torch.Generator().manual_seed(s))[:PROBE_ROWS]
+    rows = probe_rows([got], big.q.shape[2])
     offset = big.k.shape[2] - big.q.shape[2]
     picked = got[:, :, rows].detach().cpu()
     # Those rows as cases of their own: placed at their positions, and where "offset ignored" puts them.

@@ -146,3 +146,39 @@ def test_single_query_overflow_is_named():
     ac.check_single_query(unshifted, [([0.5, 0.0], k, v, 3, 2, 1)])
     with pytest.raises(AssertionError, match=r"tile=2\) raised OverflowError.*largest score is 1414.21.*709.78"):
         ac.check_single_query(unshifted, [(q, k, v, 3, 2, 2)])
+
+
+class RightOnSomeRows:
+    """Stands for online_attention run in the grading jail (its limited_call): the attention on the rows `keep`
+    selects, zeros on the others, as an answer aimed at the few rows a check compares."""
+    __name__ = "online_attention"
+
+    def __init__(self, keep):
+        self.keep = keep
+
+    def limited_call(self, allowance, q, k, v, **_):
+        t, s = q.shape[2], k.shape[2]
+        out = torch.zeros(*q.shape[:-1], v.shape[-1])
+        for start in range(0, t, 512):
+            rows = torch.arange(start, min(start + 512, t))
+            rows = rows[self.keep(rows)]
+            out[:, :, rows] = reference.attention(q[:, :, rows], k, v, query_positions=rows + s - t).float()
+        return out
+
+
+SEEDED_ROWS = torch.randperm(6704, generator=torch.Generator().manual_seed(24))[:8]   # a seed the inputs tell
+
+
+@pytest.mark.parametrize("keep, passes", [(lambda rows: rows >= 0, True),
+                                          (lambda rows: torch.isin(rows, SEEDED_ROWS), False),
+                                          (lambda rows: rows % 4 != 0, False)])
+def test_the_memory_probe_compares_rows_it_picks_from_the_answer(keep, passes):
+    """The large case's output (T = 6704, S = 10056 here) is compared on rows drawn from the answer's own hash,
+    which cannot be known before answering: an answer right only on the rows a seed taken from the inputs would
+    pick, or on three rows of four, is refused; the whole attention passes."""
+    case = ac.make_case("memory", q_heads=2, kv_heads=1, t=16, s=24, d=8, seed=1, tile=4)
+    if passes:
+        ac.check_memory_from_outside(RightOnSomeRows(keep), case)
+    else:
+        with pytest.raises(AssertionError, match="neither attention nor a recognised mistake"):
+            ac.check_memory_from_outside(RightOnSomeRows(keep), case)
