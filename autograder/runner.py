@@ -22,6 +22,7 @@ import os
 import sys
 import traceback
 
+import limits
 import wire
 from flashcourse import DEVICE_ENV
 
@@ -154,6 +155,8 @@ def measured_call(shell, in_fd: int, out_fd: int) -> None:
 
 
 def main(in_fd: int, out_fd: int) -> None:
+    if "NoNewPrivs:\t1" in open("/proc/self/status").read():  # in a jail (each way of starting one sets it),
+        limits.forbid_user_namespaces()                         # not a trusted kernel run without one
     sys.meta_path.append(Withheld())
     import torch  # noqa: F401  (imported before the notebook: part of the start-up the grader measures)
 

@@ -226,6 +226,20 @@ def test_a_kernel_ends_with_the_process_that_asked_for_it():
     template.close()
 
 
+def test_no_user_namespace_can_be_made_but_threads_and_processes_can(kernel):
+    """Learner code cannot make a user namespace (capabilities over mounts and devices of its own), whichever
+    way its kernel was started; threads and processes start as before (glibc falls back from clone3 to clone)."""
+    out = run(kernel, "import ctypes, os, threading\n"
+                      "child = os.fork()\n"
+                      "if child == 0:   # one thread, as unshare(CLONE_NEWUSER) needs; its exit code is the answer\n"
+                      "    libc = ctypes.CDLL(None, use_errno=True)\n"
+                      "    os._exit(1 if libc.unshare(0x10000000) == 0 else 0)\n"
+                      "done = []\n"
+                      "worker = threading.Thread(target=done.append, args=[1]); worker.start(); worker.join()\n"
+                      "print('made', os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), 'thread', done)")
+    assert out.split() == ["made", "0", "thread", "[1]"], out
+
+
 HELPER = """
 import os, signal, time
 helper = os.fork()
