@@ -164,6 +164,8 @@ class Session:
                 kernel.check_alone(child)
                 kernel.check_resident(child)
                 return answer
+        except jail.NotAlone as refused:  # not a failure under the limit: said as it is
+            return {"unmeasured": str(refused)}, {}
         except jail.MeasurementRefused as refused:
             return {"raised": ["MemoryError", str(refused)]}, {}
 
@@ -206,6 +208,8 @@ class Session:
             raise AssertionError(f"{name} could not be graded on this input: {lost}") from None
         if isinstance(answer.get("stdout"), str) and answer["stdout"]:
             print(answer["stdout"][:MAX_TEXT], end="")
+        if "unmeasured" in answer and address_space is not None:
+            raise AssertionError(f"{name} was not measured: {str(answer['unmeasured'])[:2000]}")
         if "raised" in answer:
             kind, message = (answer["raised"] + ["", ""])[:2] if isinstance(answer["raised"], list) else ("", "")
             kind, message = str(kind)[:100], str(message)[:2000]
@@ -250,7 +254,7 @@ class Remote:
         """The call, in a process whose address space is limited to `allowance` bytes more than the runner
         had at start-up, with no new process or thread allowed (flashcourse.memory's protocol for measuring
         from outside). MemoryError when the kernel already holds half of it (jail.Jail.measured_child), or the
-        call failed under the limit."""
+        call failed under the limit; AssertionError when another process of the jail ran meanwhile."""
         kernel = self.session.kernel_now()
         return self.session.call(self.name, args, kwargs, address_space=kernel.start_size + allowance)
 

@@ -75,6 +75,10 @@ class MeasurementRefused(RuntimeError):
     """The jail's processes did not follow the protocol of a measured call."""
 
 
+class NotAlone(MeasurementRefused):
+    """Another process of the jail ran during a measured call: what it measured says nothing of memory."""
+
+
 HOW_TO_GET_ONE = ("Install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap) "
                   "on Linux with user namespaces enabled, or grade inside the course's container image "
                   "(docker build -t flashcourse-grader . ; see the README). To grade notebooks you trust without a "
@@ -571,8 +575,8 @@ class Jail:
         Signals cannot be kept from the child, which may wake what was stopped; this sees whether it did."""
         if {self.pid, *self.others()} != {*self.stopped_cpu, child} or \
                 any(_cpu_used(pid) != used for pid, used in self.stopped_cpu.items()):
-            raise MeasurementRefused("another process of the notebook's kernel ran during the measured call: the "
-                                     "measured function must do its work in the process that calls it")
+            raise NotAlone("another process of the notebook's kernel ran during the measured call: the measured "
+                           "function must do its work in the process that calls it")
 
     def check_resident(self, child: int) -> None:
         """After the measured call has answered: MeasurementRefused unless its process is still there (the
