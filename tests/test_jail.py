@@ -32,6 +32,12 @@ def start(request):
         template.close()
 
 
+def ask_measured(kernel: jail.Jail, child: int, name: str, *args) -> dict:
+    """The answer of the notebook's function `name` called in the measured child, as Remote.limited_call asks."""
+    request = {"op": "call", "name": name, "args": wire.encode(list(args), {}), "kwargs": {"dict": []}}
+    return kernel.ask_child(child, request, None, time.monotonic() + 60)[0]
+
+
 @pytest.fixture(scope="module")
 def kernel(start):
     started = start()
@@ -117,8 +123,7 @@ def test_measured_child_is_limited_from_outside(start):
     spinner = kernel.others()[0]
     with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
         assert open(f"/proc/{spinner}/stat").read().rsplit(")", 1)[1].split()[0] == "T"   # stopped
-        request = {"op": "call", "name": "probe", "args": wire.encode([code], {}), "kwargs": {"dict": []}}
-        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        answer = ask_measured(kernel, child, "probe", code)
     assert not select.select([kernel.reader], [], [], 0.2)[0]   # the runner sent nothing of its own
     assert answer.get("stdout", "").split() == ["refused", "no", "fork", "42"], answer
     assert run(kernel, code).split() == ["allocated", "forked", "42"]
@@ -173,8 +178,7 @@ def test_memory_made_usable_inside_a_reservation_is_counted(start, mib, refused)
     run(kernel, MPROTECT_RESERVATION)
     kernel.start_size = jail.vm_size(kernel.pid)   # as if the runner's start-up had made the reservation
     with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
-        request = {"op": "call", "name": "spend", "args": wire.encode([mib], {}), "kwargs": {"dict": []}}
-        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        answer = ask_measured(kernel, child, "spend", mib)
         assert answer.get("value") == wire.encode(mib, {}), answer   # the address-space limit let it through
         if refused:
             with pytest.raises(jail.MeasurementRefused, match="resident at its peak"):
@@ -264,8 +268,7 @@ def test_a_process_woken_during_a_measured_call_is_seen(start, seconds, refused)
     kernel = start()
     run(kernel, HELPER)
     with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
-        request = {"op": "call", "name": "wake", "args": wire.encode([seconds], {}), "kwargs": {"dict": []}}
-        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        answer = ask_measured(kernel, child, "wake", seconds)
         assert answer.get("value") == wire.encode(seconds, {}), answer
         if refused:
             with pytest.raises(jail.NotAlone, match="ran during the measured call"):
@@ -303,8 +306,7 @@ def test_pages_of_files_a_measured_call_reads_are_not_counted(start):
     kernel = start()
     run(kernel, READ_LIBRARY)
     with kernel.measured_child(kernel.start_size + (64 << 20), time.monotonic() + 60) as child:
-        request = {"op": "call", "name": "read_library", "args": wire.encode([200], {}), "kwargs": {"dict": []}}
-        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        answer = ask_measured(kernel, child, "read_library", 200)
         assert answer.get("value") == wire.encode(200 << 8, {}), answer
         peak, written = jail._status_bytes(child, "VmHWM"), jail._status_bytes(child, "RssAnon")
         assert peak > written + (200 << 20), "the library's pages should have been resident"
@@ -328,8 +330,7 @@ def test_a_measured_call_that_ends_before_it_is_read_is_refused(start):
                 "    if callable(getattr(module, 'measured_call', None)):\n"
                 "        module.measured_call = quick")
     with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
-        request = {"op": "call", "name": "print", "args": wire.encode([], {}), "kwargs": {"dict": []}}
-        answer, _ = kernel.ask_child(child, request, None, time.monotonic() + 60)
+        answer = ask_measured(kernel, child, "print")
         assert answer == {"value": 1}
         time.sleep(0.5)
         with pytest.raises(jail.MeasurementRefused, match="ended before its memory could be read"):
