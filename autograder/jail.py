@@ -251,7 +251,7 @@ def _writable_resident(pid: int) -> int:
 
 
 def _status_bytes(pid: int, field: str) -> int:
-    """A size from /proc/PID/status ("VmSize", "VmRSS", "VmHWM"), in bytes; 0 once the process is gone."""
+    """A size from /proc/PID/status ("VmSize", "VmHWM", "RssAnon"...), in bytes; 0 once the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(f"{field}:"):
@@ -570,7 +570,7 @@ class Jail:
                     os.kill(pid, signal.SIGCONT)
 
     def check_alone(self, child: int) -> None:
-        """After the measured call has answered: MeasurementRefused unless every other process of the jail
+        """After the measured call has answered: NotAlone unless every other process of the jail
         stayed stopped throughout: no process or thread was born or ended, and none ran a nanosecond.
         Signals cannot be kept from the child, which may wake what was stopped; this sees whether it did."""
         if {self.pid, *self.others()} != {*self.stopped_cpu, child} or \
