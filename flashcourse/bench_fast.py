@@ -850,6 +850,78 @@ def last_gap_2_main(args) -> int:
     return 0
 
 
+HOPPER_SCHEDULES = {  # column -> (persistent, pingpong) of hopper_attention
+    "one per item": (False, False), "one per item + ping-pong": (False, True),
+    "persistent": (True, False), "persistent + ping-pong": (True, True)}
+HOPPER_NAMES = ["fast_attention", "hopper_attention", "SDPA cuDNN", "SDPA flash"]
+
+
+def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
+    """bench_fast's prefill grid: hopper_attention with its own schedule and with each of HOPPER_SCHEDULES,
+    fast_attention, SDPA cuDNN and flash (TFLOP/s), and both course kernels' errors against FP32."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_attention, hopper_attention
+
+    rows = [] if rows is None else rows
+    for dtype_name, causal, d, q_heads, kv_heads, lengths in grid:
+        dtype, gqa = DTYPES[dtype_name], q_heads != kv_heads
+        for t in lengths:
+            batch = max(1, TOKENS // t)
+            q, k, v = _inputs(batch, q_heads, kv_heads, t, t, d, dtype)
+            flops = (2.0 if causal else 4.0) * batch * q_heads * t * t * d
+            impls = {"fast_attention": lambda: fast_attention(q, k, v, causal=causal),
+                     "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal),
+                     "SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, gqa)(q, k, v),
+                     "SDPA flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, causal, gqa)(q, k, v)}
+            for name, (persistent, pingpong) in HOPPER_SCHEDULES.items():
+                impls[name] = functools.partial(hopper_attention, q, k, v, causal=causal, persistent=persistent,
+                                                pingpong=pingpong)
+            row = dict(dtype=dtype_name, causal=causal, d=d, q_heads=q_heads, kv_heads=kv_heads, t=t, batch=batch)
+            for name, fn in impls.items():
+                row[name] = flops / _or_nan(_ms, fn) / 1e9
+            row["fast error"] = max_error(fast_attention(q, k, v, causal=causal), q, k, v, causal)
+            row["hopper error"] = max_error(hopper_attention(q, k, v, causal=causal), q, k, v, causal)
+            rows.append(row)
+            done()
+            print(f"  {dtype_name} {'causal' if causal else 'full  '} D={d} H={q_heads}/{kv_heads} T={t:5d} B={batch:2d}: "
+                  + ", ".join(f"{n} {row[n]:.0f}" for n in impls), flush=True)
+            del q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
+def hopper_report(result: dict) -> str:
+    """The grid of --hopper as markdown: the course's two forwards beside SDPA's, and hopper_attention's schedules."""
+    schedules = list(HOPPER_SCHEDULES)
+    lines = ["# FlashAttention-3's schedule in Gluon: hopper_attention beside fast_attention and cuDNN", "",
+             f"Measured {result['environment']}.", "",
+             "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. "
+             f"TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal; T = S, B x T = {TOKENS}. Errors: max "
+             "|o - reference| over batch 0, heads 0-1, against FP32. hopper_attention's own schedule is "
+             "hopper_schedule's choice; the last four columns force each (persistent or one program per work item, "
+             "with or without the ping-pong).", "",
+             "| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(HOPPER_NAMES) +
+             " | hopper / cuDNN | best ours / cuDNN | hopper / fast | fast error | hopper error | " +
+             " | ".join(schedules) + " |", "|---" * (6 + len(HOPPER_NAMES) + 5 + len(schedules)) + "|"]
+    for r in result["prefill"]:
+        best = max(r["fast_attention"], r["hopper_attention"])
+        lines.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['d']} | {r['q_heads']}/{r['kv_heads']} | "
+                     f"{r['t']} | {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in HOPPER_NAMES) +
+                     f" | {r['hopper_attention'] / r['SDPA cuDNN']:.2f} | {best / r['SDPA cuDNN']:.2f} | "
+                     f"{r['hopper_attention'] / r['fast_attention']:.2f} | {r['fast error']:.1e} | "
+                     f"{r['hopper error']:.1e} | " + " | ".join(f"{r[n]:.1f}" for n in schedules) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def hopper_main(args) -> int:
+    """--hopper: the prefill grid with hopper_attention, saved after every row."""
+    result = {"environment": environment(), "prefill": []}
+    prefill_hopper(rows=result["prefill"], done=lambda: _save_json(result, args.json))
+    _show_report(hopper_report(result), args.out)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the markdown report to this file")
@@ -871,6 +943,8 @@ def main(argv=None) -> int:
                         "configs, in a process of their own")
     parser.add_argument("--last-gap-2", action="store_true", help="decode at short caches and the prefill grid with "
                         "the lse forward, in one process (--out, --json)")
+    parser.add_argument("--hopper", action="store_true", help="the prefill grid with hopper_attention (Gluon, "
+                        "FlashAttention-3's schedule) and each of its schedules, in one process (--out, --json)")
     parser.add_argument("--last-gap-2-report", nargs=2, metavar=("RESULT", "TRIALS"), help="measure nothing: the "
                         "markdown of a --last-gap-2 JSON and a --trials JSON together (--out)")
     args = parser.parse_args(argv)
@@ -878,7 +952,8 @@ def main(argv=None) -> int:
         result, trials = (json.load(open(path)) for path in args.last_gap_2_report)
         _show_report(last_gap_2_report(result, trials), args.out)
         return 0
-    if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2) and not torch.cuda.is_available():
+    if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2 or args.hopper) \
+            and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
     if args.profile:
@@ -890,6 +965,8 @@ def main(argv=None) -> int:
         return trials_main(args)
     if args.last_gap_2:
         return last_gap_2_main(args)
+    if args.hopper:
+        return hopper_main(args)
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)

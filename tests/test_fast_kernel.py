@@ -373,3 +373,31 @@ def test_short_cache_splits():
     want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=False)
     rtol, atol = ac.tolerance(RT.dtype)
     assert torch.allclose(fast_decode(q, k, v, splits=splits).cpu().double(), want, rtol=rtol, atol=atol)
+
+
+def test_hopper_attention_refuses_what_it_cannot_run():
+    """hopper_attention: a ValueError for shapes and dtypes it does not take, naming them and fast_attention;
+    on a machine without a Hopper GPU a RuntimeError that says so."""
+    from flashcourse.engine.fast_kernel import hopper_attention
+
+    q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    for bad, words in (((q[:, :, :200], q, q), "T = 200"), ((q.float(), q.float(), q.float()), "torch.float32"),
+                       ((torch.randn(1, 2, 256, 32, dtype=torch.bfloat16),) * 3, "D = 32")):
+        with pytest.raises(ValueError, match=words) as raised:
+            hopper_attention(*bad)
+        assert "fast_attention" in str(raised.value)
+    with pytest.raises(ValueError, match="query_offset must be >= 0"):
+        hopper_attention(q, q[:, :, :128], q[:, :, :128])
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="Hopper|Gluon"):
+            hopper_attention(q, q, q)
+
+
+def test_hopper_schedule_follows_the_measured_rule():
+    """One program per item under a causal mask, persistent without; the ping-pong causal up to T = 4k only."""
+    from flashcourse.engine.fast_kernel import hopper_schedule
+
+    assert hopper_schedule(1024, True) == (False, True)
+    assert hopper_schedule(4096, True) == (False, True)
+    assert hopper_schedule(16384, True) == (False, False)
+    assert hopper_schedule(1024, False) == (True, False)

@@ -122,3 +122,31 @@ def test_short_cache_decode(engine, batch, s):
     splits = engine.short_cache_splits(batch, 8, s, "cuda")
     assert splits == min(torch.cuda.get_device_properties(0).multi_processor_count // (batch * 8), -(-s // 128))
     assert max_error(engine.fast_decode(q, k, v, splits=splits), q, k, v, False) < 1e-2
+
+
+def _hopper_with_gluon() -> bool:
+    from flashcourse.engine import fast_kernel
+
+    return fast_kernel.gluon is not None and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("persistent, pingpong", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
+    (2, 8, 2, 1024, 1024, 128, True),      # GQA 4, several items per program when persistent
+    (1, 8, 8, 384, 1000, 64, True),        # queries at the end of a longer cache; S not a multiple of a tile
+    (2, 4, 2, 256, 777, 128, False),       # not causal, the last tile runs into the next head's keys
+    (3, 40, 8, 1280, 1280, 128, True),     # 1200 items: more than one wave
+])
+def test_hopper_attention(engine, persistent, pingpong, dtype, batch, q_heads, kv_heads, t, s, d, causal):
+    """hopper_attention under each schedule against an FP64 reference, within 2e-2."""
+    from flashcourse import reference
+    from flashcourse.bench_fast import _inputs
+
+    q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, dtype)
+    got = engine.hopper_attention(q, k, v, causal=causal, persistent=persistent, pingpong=pingpong)
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
+    error = (got.cpu().double() - want).abs().max()
+    assert error < 2e-2, f"persistent={persistent}, pingpong={pingpong}: max |error| {error:.2e}"

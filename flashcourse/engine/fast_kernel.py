@@ -882,3 +882,277 @@ def short_cache_splits(batch, kv_heads, s, device):
     device = torch.device(device)
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(processors // (batch * kv_heads), triton.cdiv(s, decode_launch(device)["BLOCK_N"])))
+
+
+try:  # Gluon, Triton's lower-level layer (Triton 3.5 and later): explicit warps, barriers and asynchronous MMAs
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # an older Triton: hopper_attention says so when called, everything else works
+    gluon = None
+
+HOPPER_BLOCK_M = 128  # query rows per work item: 64 for each of the two consumer warpgroups
+HOPPER_BLOCK_N = 128  # keys per K/V tile
+HOPPER_STAGES = 2     # K and V tiles in flight (2 x 2 x 32 KiB at D = 128, with Q's 32 KiB)
+
+
+if gluon is not None:  # the kernel's functions exist where Gluon does
+    @gluon.jit
+    def _hopper_softmax(s, m, l, q_pos, q_first, n0, S, qk_scale,
+                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        # s [BLOCK_M, BLOCK_N] raw scores of tile n0; m, l [BLOCK_M] in log2 units of the scaled scores
+        need_mask = n0 + BLOCK_N > S
+        if CAUSAL:
+            need_mask = need_mask | (n0 + BLOCK_N > q_first + 1)
+        if need_mask:
+            keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = keys[None, :] < S
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= q_pos[:, None])
+            s = gl.where(visible, s, -float("inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        l = l * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l
+
+
+    @gluon.jit
+    def _hopper_item(item, n_m, T, S, query_offset,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        # Work item -> (query head row bh, first query row, number of key tiles). Items run head by head, and
+        # within a head the last query blocks (the longest under a causal mask) first.
+        bh = item // n_m
+        row0 = (n_m - 1 - item % n_m) * BLOCK_M
+        q_first = query_offset + row0
+        hi = S
+        if CAUSAL:
+            hi = gl.minimum(S, q_first + BLOCK_M)
+        return bh, row0, q_first, gl.cdiv(hi, BLOCK_N)
+
+
+    @gluon.jit
+    def _hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
+                     v_empty, T, S, Hq, Hkv, query_offset, n_m, n_items,
+                     HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr):
+        # The producer warp: for each of its items, Q's two halves, then K and V tiles into rings of STAGES
+        # slots. A slot (and Q) is refilled once both consumers have arrived on its empty barrier.
+        dtype: gl.constexpr = q_desc.dtype
+        tile_bytes: gl.constexpr = BLOCK_N * D * dtype.primitive_bitwidth // 8
+        t = 0                                     # tiles loaded so far, over all items: the rings' position
+        done = 0                                  # items loaded so far
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
+            kv_row = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * S
+            mbarrier.wait(q_empty, (done & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+            mbarrier.expect(q_bar, 2 * HALF_M * D * dtype.primitive_bitwidth // 8)
+            tma.async_copy_global_to_shared(q_desc, [bh * T + row0, 0], q_bar, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [bh * T + row0 + HALF_M, 0], q_bar, q_smem.index(1))
+            for j in range(n_tiles):
+                slot = t % STAGES
+                free_phase = ((t // STAGES) & 1) ^ 1
+                mbarrier.wait(k_empty.index(slot), free_phase)
+                mbarrier.expect(k_full.index(slot), tile_bytes)
+                tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_full.index(slot),
+                                                k_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), free_phase)
+                mbarrier.expect(v_full.index(slot), tile_bytes)
+                tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_full.index(slot),
+                                                v_smem.index(slot))
+                t += 1
+            done += 1
+
+
+    @gluon.jit
+    def _take_turn(turns, k, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+        # Before a consumer's k-th burst of matrix products: wait until the other consumer has issued its own.
+        if PINGPONG:
+            mbarrier.wait(turns.index(HALF), ((k & 1) ^ 1) if HALF == 0 else (k & 1))
+
+
+    @gluon.jit
+    def _give_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turns.index(1 - HALF), count=1)
+
+
+    @gluon.jit
+    def _hopper_consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                        o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
+                        HALF: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        # One consumer warpgroup: HALF_M query rows of each item against its K/V tiles. Per tile j it issues
+        # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
+        # tensor cores.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        q_half = q_smem.index(HALF)
+        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        t = 0                                     # tiles consumed so far, over all items
+        k = 0                                     # bursts of matrix products issued so far (the ping-pong's turns)
+        done = 0
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
+            first = q_first + HALF * HALF_M
+            q_pos = first + gl.arange(0, HALF_M, layout=row_layout)
+            m = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
+            l = gl.zeros([HALF_M], gl.float32, row_layout)
+
+            mbarrier.wait(q_bar, done & 1)
+            slot = t % STAGES
+            mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
+            _take_turn(turns, k, HALF, PINGPONG)
+            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _give_turn(turns, HALF, PINGPONG)
+            k += 1
+            s = warpgroup_mma_wait(0, deps=[s_tok, q_half, k_smem.index(slot)])[0]
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, qk_scale, CAUSAL, BLOCK_N, s_layout)
+            acc = warpgroup_mma_init(gl.zeros([HALF_M, D], gl.float32, o_layout))
+            for j in range(1, n_tiles):
+                cur = (t + j) % STAGES
+                prev = (t + j - 1) % STAGES
+                mbarrier.wait(k_full.index(cur), ((t + j) // STAGES) & 1)
+                mbarrier.wait(v_full.index(prev), ((t + j - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                _take_turn(turns, k, HALF, PINGPONG)
+                s_tok = warpgroup_mma(q_half, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                _give_turn(turns, HALF, PINGPONG)
+                k += 1
+                # S_j done; P_{j-1} V_{j-1} may still run during the softmax
+                s = warpgroup_mma_wait(1, deps=[s_tok, q_half, k_smem.index(cur)])[0]
+                mbarrier.arrive(k_empty.index(cur), count=1)
+                p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, j * BLOCK_N, S, qk_scale, CAUSAL, BLOCK_N,
+                                                 s_layout)
+                acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(prev)])[0]
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+                acc = warpgroup_mma_init(acc * alpha_o[:, None])
+            mbarrier.arrive(q_empty, count=1)     # every S of this item is done: Q's buffer may take the next item's
+
+            last = (t + n_tiles - 1) % STAGES
+            mbarrier.wait(v_full.index(last), ((t + n_tiles - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            _take_turn(turns, k, HALF, PINGPONG)
+            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            _give_turn(turns, HALF, PINGPONG)
+            k += 1
+            acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(last)])[0]
+            mbarrier.arrive(v_empty.index(last), count=1)
+            t += n_tiles
+            done += 1
+
+            l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
+            out = (acc / l_o[:, None]).to(dtype)
+            rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            gl.store(o_ptr + (bh * T + rows)[:, None] * D + cols[None, :], out, mask=(rows < T)[:, None])
+
+
+    @gluon.jit
+    def hopper_fwd_kernel(
+        q_desc, k_desc, v_desc,                  # TMA descriptors: q [B*Hq*T, D] by 64 rows, k and v [B*Hkv*S, D]
+        o_ptr,                                   # o [B, Hq, T, D], contiguous
+        T, S, Hq, Hkv, B_HQ,                     # queries, keys, query heads, KV heads, B x Hq
+        query_offset,                            # absolute position of query 0
+        qk_scale,                                # log2(e)/sqrt(D)
+        D: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        PINGPONG: gl.constexpr,
+    ):
+        HALF_M: gl.constexpr = 64
+        BLOCK_M: gl.constexpr = 2 * HALF_M
+        dtype: gl.constexpr = q_desc.dtype
+        n_m = gl.cdiv(T, BLOCK_M)
+        n_items = n_m * B_HQ
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)     # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns, o_ptr,
+                               T, S, query_offset, n_m, n_items, qk_scale,
+                               0, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG)),
+            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns, o_ptr,
+                               T, S, query_offset, n_m, n_items, qk_scale,
+                               1, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG)),
+            (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
+                            v_empty, T, S, Hq, Hkv, query_offset, n_m, n_items, HALF_M, BLOCK_N, D, STAGES, CAUSAL)),
+        ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
+
+
+def hopper_schedule(t, causal):
+    """(persistent, pingpong) for hopper_attention, as the H200 measured them (python -m flashcourse.bench_fast
+    --hopper): one program per work item under a causal mask (the block scheduler then takes each head's longest
+    query blocks first), one program per multiprocessor without one; the ping-pong gained up to T = 4k
+    causal and lost at 16k."""
+    return (not causal), (causal and t <= 4096)
+
+
+def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None):
+    """FlashAttention-3's forward schedule on a Hopper GPU, written in Gluon: a producer warp loads Q, K and
+    V by TMA; two consumer warpgroups take 64 query rows each. q [B, Hq, T, D], k and v [B, Hkv, S, D],
+    bf16 or fp16, D 64 or 128, T a multiple of 128. Returns o [B, Hq, T, D]."""
+    _check_inputs(q, k, v)
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if q.dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128) or T % HOPPER_BLOCK_M:
+        raise ValueError(f"hopper_attention takes bf16 or fp16, D = 64 or 128 and T a multiple of "
+                         f"{HOPPER_BLOCK_M}; got {q.dtype}, D = {D}, T = {T}: use fast_attention")
+    query_offset = S - T if query_offset is None else query_offset
+    if causal and query_offset < 0:
+        raise ValueError(f"a causal query_offset must be >= 0, got {query_offset}")
+    if gluon is None:
+        raise RuntimeError(f"hopper_attention needs Triton's Gluon layer (Triton 3.5 or later); "
+                           f"this is Triton {triton.__version__}: use fast_attention")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise RuntimeError("hopper_attention runs on a Hopper GPU (H100, H200) only: use fast_attention")
+    default_persistent, default_pingpong = hopper_schedule(T, causal)
+    persistent = default_persistent if persistent is None else persistent
+    pingpong = default_pingpong if pingpong is None else pingpong
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([HOPPER_BLOCK_M // 2, D], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([HOPPER_BLOCK_N, D], dtype)
+    # Rows of every (batch, head) one after another: a tile that runs past S reads the next head's keys,
+    # which the mask hides; past the end of the tensor TMA reads zeros.
+    q_desc = GluonDescriptor.from_tensor(q.view(B * Hq * T, D), [HOPPER_BLOCK_M // 2, D], q_layout)
+    k_desc = GluonDescriptor.from_tensor(k.view(B * Hkv * S, D), [HOPPER_BLOCK_N, D], kv_layout)
+    v_desc = GluonDescriptor.from_tensor(v.view(B * Hkv * S, D), [HOPPER_BLOCK_N, D], kv_layout)
+    items = triton.cdiv(T, HOPPER_BLOCK_M) * B * Hq
+    programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
+    hopper_fwd_kernel[(programs,)](
+        q_desc, k_desc, v_desc, o, T, S, Hq, Hkv, B * Hq, query_offset, LOG2E / math.sqrt(D),
+        D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong, num_warps=4)
+    return o
