@@ -298,19 +298,19 @@ def decode_split_kernel(
 
 
 @triton.jit
-def decode_merge_kernel(
+def _merge_partials(
     m_ptr, l_ptr, acc_ptr,                   # partials from decode_split_kernel: [B*Hq, SPLITS] and [B*Hq, SPLITS, D]
     o_ptr,                                   # o [B, Hq, 1, D], contiguous
+    bh,                                      # the (batch, query head) to merge: b * Hq + h
     splits,                                  # how many partials each (batch, head) has
     D: tl.constexpr,                         # head dimension
     SPLITS_PAD: tl.constexpr,                # splits rounded up to a power of two
 ):
-    """Flash-decoding's second half: one program per (batch, query head) merges its partial states.
+    """Flash-decoding's second half for one (batch, query head): merge its partial states into its row of o.
 
     With M = max_i m_i, each partial is rescaled by exp2(m_i - M) (assignment 01's merge_states):
     o = sum_i exp2(m_i - M) acc_i / sum_i exp2(m_i - M) l_i. Empty chunks have m_i = -inf: weight 0.
     """
-    bh = tl.program_id(0)
     i = tl.arange(0, SPLITS_PAD)                          # [SPLITS_PAD]
     cols = tl.arange(0, D)                                # [D]
     ok = i < splits
@@ -321,6 +321,17 @@ def decode_merge_kernel(
     w = tl.math.exp2(m - top)                             # [SPLITS_PAD], 0 for empty or padding partials
     o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
     tl.store(o_ptr + bh * D + cols, o.to(o_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def decode_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, o_ptr,            # as _merge_partials'
+    splits,                                  # how many partials each (batch, head) has
+    D: tl.constexpr,                         # head dimension
+    SPLITS_PAD: tl.constexpr,                # splits rounded up to a power of two
+):
+    """One program per (batch, query head), each merging its own partials."""
+    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr, tl.program_id(0), splits, D, SPLITS_PAD)
 
 
 def decode_launch(device):
