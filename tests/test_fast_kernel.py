@@ -424,7 +424,7 @@ def test_decode_tickets_refuse_to_allocate_inside_a_capture(monkeypatch):
     monkeypatch.setattr(fast_kernel, "_DECODE_TICKETS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="before capturing"):
-        fast_kernel.decode_tickets("cuda", 8)
+        fast_kernel.decode_tickets("cuda:0", 8)
 
 
 def test_decode_fused_report():

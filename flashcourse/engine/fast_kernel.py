@@ -936,6 +936,8 @@ def decode_tickets(device, count):
     A CUDA graph records the counters' address: they are allocated outside a capture, never inside one.
     """
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:   # "cuda" and "cuda:0" must find the same counters
+        device = torch.device("cuda", torch.cuda.current_device())
     tickets = _DECODE_TICKETS.get(device)
     if tickets is None or tickets.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
