@@ -922,6 +922,70 @@ def hopper_main(args) -> int:
     return 0
 
 
+FUSED_NAMES = ["fused_decode", "fast_decode", "SDPA cuDNN"]
+
+
+def decode_fused(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, done=lambda: None) -> list[dict]:
+    """fused_decode (one launch) beside fast_decode (two launches) with the same splits (short_cache_splits),
+    SDPA cuDNN and a same-bytes copy, each timed in a CUDA graph over several copies of the cache (TB/s)."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_decode, fused_decode, short_cache_splits
+
+    rows = [] if rows is None else rows
+    for batch, s in grid:
+        kv_bytes = 2 * batch * kv_heads * s * d * 2
+        copies = max(2, math.ceil(L2_FLUSH_BYTES / kv_bytes))
+        caches = [_inputs(batch, q_heads, kv_heads, 1, s, d, torch.bfloat16, seed=i) for i in range(copies)]
+        splits = short_cache_splits(batch, kv_heads, s, "cuda")
+        impls = {"fused_decode": functools.partial(fused_decode, splits=splits),
+                 "fast_decode": functools.partial(fast_decode, splits=splits),
+                 "SDPA cuDNN": _sdpa(SDPBackend.CUDNN_ATTENTION, False, True)}
+        row = dict(batch=batch, s=s, copies=copies, splits=splits, copy_same_bytes=_same_bytes_copy(caches))
+        for name, fn in impls.items():
+            row[name] = kv_bytes / _or_nan(_graph_ms, [functools.partial(fn, *cache) for cache in caches]) / 1e9
+        q, k, v = caches[0]
+        for name in ("fused_decode", "fast_decode"):
+            row[f"{name} error"] = max_error(impls[name](q, k, v), q, k, v, False)
+        rows.append(row)
+        done()
+        print(f"  decode B={batch} S={s:6d} ({splits} splits): " + ", ".join(f"{n} {row[n]:.2f}" for n in FUSED_NAMES)
+              + f", same-bytes copy {row['copy_same_bytes']:.2f} TB/s; fused "
+              f"{100 * row['fused_decode'] / row['copy_same_bytes']:.0f} % of the copy", flush=True)
+        del caches, q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_fused_report(result: dict) -> str:
+    """--decode-fused's table as markdown: TB/s, and each decode as a share of the same-bytes copy."""
+    lines = ["# Decode in one launch (fused_decode) against two (fast_decode)", "",
+             f"Measured {result['environment']}.", "",
+             "TB/s of K and V read; Hq = 32, Hkv = 8, D = 128, bf16, T = 1. Every column is timed per call of a "
+             "replayed CUDA graph that reads several copies of the cache in turn (more than the L2 holds), in one "
+             "process; the same-bytes copy moves as many bytes (read plus written) as one decode reads. Both "
+             "decodes use short_cache_splits. Errors: max |o - reference| over batch 0, heads 0-1, the reference "
+             "in FP32.", "",
+             "| B | S | splits | " + " | ".join(FUSED_NAMES) + " | same-bytes copy | fused / copy | "
+             "two launches / copy | fused / two launches | fused / cuDNN | fused error | two-launch error |",
+             "|---" * (3 + len(FUSED_NAMES) + 7) + "|"]
+    for r in result["decode_fused"]:
+        copy, fused = r["copy_same_bytes"], r["fused_decode"]
+        lines.append(f"| {r['batch']} | {r['s']} | {r['splits']} | " + " | ".join(f"{r[n]:.2f}" for n in FUSED_NAMES)
+                     + f" | {copy:.2f} | {100 * fused / copy:.0f} % | {100 * r['fast_decode'] / copy:.0f} % | "
+                     f"{fused / r['fast_decode']:.2f} | {fused / r['SDPA cuDNN']:.2f} | "
+                     f"{r['fused_decode error']:.1e} | {r['fast_decode error']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def decode_fused_main(args) -> int:
+    """--decode-fused: decode_fused over SHORT_DECODE, saved after every row."""
+    result = {"environment": environment(), "decode_fused": []}
+    decode_fused(rows=result["decode_fused"], done=lambda: _save_json(result, args.json))
+    _show_report(decode_fused_report(result), args.out)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the markdown report to this file")
@@ -945,6 +1009,8 @@ def main(argv=None) -> int:
                         "the lse forward, in one process (--out, --json)")
     parser.add_argument("--hopper", action="store_true", help="the prefill grid with hopper_attention (Gluon, "
                         "FlashAttention-3's schedule) and each of its schedules, in one process (--out, --json)")
+    parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
+                        "same-bytes copy: B = 1, S = 1k to 32k; B = 8, S = 1k and 8k (--out, --json)")
     parser.add_argument("--last-gap-2-report", nargs=2, metavar=("RESULT", "TRIALS"), help="measure nothing: the "
                         "markdown of a --last-gap-2 JSON and a --trials JSON together (--out)")
     args = parser.parse_args(argv)
@@ -952,8 +1018,8 @@ def main(argv=None) -> int:
         result, trials = (json.load(open(path)) for path in args.last_gap_2_report)
         _show_report(last_gap_2_report(result, trials), args.out)
         return 0
-    if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2 or args.hopper) \
-            and not torch.cuda.is_available():
+    if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2 or args.hopper
+            or args.decode_fused) and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
     if args.profile:
@@ -967,6 +1033,8 @@ def main(argv=None) -> int:
         return last_gap_2_main(args)
     if args.hopper:
         return hopper_main(args)
+    if args.decode_fused:
+        return decode_fused_main(args)
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)

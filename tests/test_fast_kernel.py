@@ -401,3 +401,76 @@ def test_hopper_schedule_follows_the_measured_rule():
     assert hopper_schedule(4096, True) == (False, True)
     assert hopper_schedule(16384, True) == (False, False)
     assert hopper_schedule(1024, False) == (True, False)
+
+@pytest.mark.parametrize("splits", [None, 1, 4, 7])
+def test_fused_decode_twice_in_a_row(splits):
+    """fused_decode, B = 2, GQA 4, S = 50 (4 splits leave a last chunk of 2 keys, 7 leave three chunks empty):
+    two calls in a row both match the reference, and each leaves every (batch, KV head)'s counter at 0."""
+    from flashcourse.engine.fast_kernel import decode_tickets, fused_decode
+
+    q = torch.randn(2, 8, 1, 32, device=RT.device, dtype=RT.dtype)
+    rtol, atol = ac.tolerance(RT.dtype)
+    for call in range(2):
+        k, v = (torch.randn(2, 2, 50, 32, device=RT.device, dtype=RT.dtype) for _ in range(2))
+        want = reference.attention(q.cpu(), k.cpu(), v.cpu())
+        got = fused_decode(q, k, v, splits=splits).cpu().double()
+        error = (got - want).abs().max()
+        assert torch.allclose(got, want, rtol=rtol, atol=atol), f"call {call}: max |error| {error:.2e}"
+        tickets = decode_tickets(RT.device, 2 * 2)
+        assert not tickets.any(), f"call {call} left counters {tickets.tolist()}: the next call would merge nothing"
+
+
+def test_decode_tickets_grow_and_stay():
+    """The counters are zeros, allocated once per device: a smaller request gets the same tensor, a larger one
+    a new tensor of zeros that is kept from then on."""
+    from flashcourse.engine.fast_kernel import decode_tickets
+
+    small = decode_tickets(RT.device, 3)
+    assert small.dtype == torch.int32 and small.numel() >= 3 and not small.any()
+    assert decode_tickets(RT.device, 1).data_ptr() == small.data_ptr()
+    large = decode_tickets(RT.device, small.numel() + 1)
+    assert large.numel() > small.numel() and not large.any()
+    assert decode_tickets(RT.device, 2).data_ptr() == large.data_ptr()
+
+
+def test_fused_decode_validation():
+    """fused_decode's ValueErrors: 04's checks, T != 1, splits < 1."""
+    from flashcourse.engine.fast_kernel import fused_decode
+
+    q = torch.randn(1, 2, 4, 16, device=RT.device, dtype=RT.dtype)
+    for call in (lambda: fused_decode(q, q, q), lambda: fused_decode(q[:, :, :1], q, q, splits=0),
+                 lambda: fused_decode(q[:, :, :1], q[:, :1], q)):
+        with pytest.raises(ValueError):
+            call()
+
+
+def test_decode_tickets_refuse_to_allocate_inside_a_capture(monkeypatch):
+    """Counters allocated during a CUDA graph capture would belong to the graph's memory: refused, with the fix."""
+    from flashcourse.engine import fast_kernel
+
+    monkeypatch.setattr(fast_kernel, "_DECODE_TICKETS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before capturing"):
+        fast_kernel.decode_tickets("cuda:0", 8)
+
+
+def test_decode_fused_report():
+    """--decode-fused's table: one row per (B, S), the shares of the same-bytes copy as percentages."""
+    from flashcourse.bench_fast import decode_fused_report
+
+    row = {"batch": 1, "s": 8192, "splits": 16, "copy_same_bytes": 3.0, "fused_decode": 2.7, "fast_decode": 2.5,
+           "SDPA cuDNN": 2.0, "fused_decode error": 1e-3, "fast_decode error": 1e-3}
+    text = decode_fused_report({"environment": "a test", "decode_fused": [row]})
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1
+    assert table[2].startswith("| 1 | 8192 | 16 | 2.70 | 2.50 | 2.00 | 3.00 | 90 % | 83 % | 1.08 | 1.35 |")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
+def test_decode_fused_refuses_a_cpu(capsys):
+    """--decode-fused measures nothing without a GPU and says so."""
+    from flashcourse.bench import GPU_NEEDED
+    from flashcourse.bench_fast import main
+
+    assert main(["--decode-fused"]) == 1
+    assert GPU_NEEDED in capsys.readouterr().out

@@ -150,3 +150,35 @@ def test_hopper_attention(engine, persistent, pingpong, dtype, batch, q_heads, k
     want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
     error = (got.cpu().double() - want).abs().max()
     assert error < 2e-2, f"persistent={persistent}, pingpong={pingpong}: max |error| {error:.2e}"
+
+@pytest.mark.parametrize("batch, s", [(1, 1000), (1, 8192), (8, 8191), (3, 131072)])
+def test_fused_decode(engine, batch, s):
+    """fused_decode at Hq = 32, Hkv = 8, with short_cache_splits and with 64 splits: error against FP32 within 1e-2,
+    and every counter back at 0 after each call."""
+    from flashcourse.bench_fast import _inputs, max_error
+
+    q, k, v = _inputs(batch, 32, 8, 1, s, 128, torch.bfloat16)
+    for splits in (None, 64):
+        assert max_error(engine.fused_decode(q, k, v, splits=splits), q, k, v, False) < 1e-2, f"splits={splits}"
+        assert not engine.decode_tickets("cuda", batch * 8).any(), f"splits={splits}: a counter was left non-zero"
+
+
+def test_fused_decode_replayed_in_a_cuda_graph(engine):
+    """Four fused calls on four caches in one CUDA graph, replayed 50 times: every replay writes exactly the eager
+    outputs (the merge is the same arithmetic whichever program draws the last ticket), the counters end at 0."""
+    from flashcourse.bench_fast import _inputs
+
+    caches = [_inputs(1, 32, 8, 1, 8192, 128, torch.bfloat16, seed=i) for i in range(4)]
+    eager = [engine.fused_decode(*cache) for cache in caches]      # also allocates the counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [engine.fused_decode(*cache) for cache in caches]
+    for replay in range(50):
+        for out in outputs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (out, want) in enumerate(zip(outputs, eager)):
+            assert torch.equal(out, want), f"replay {replay}, call {i}: differs from the eager result"
+    assert not engine.decode_tickets("cuda", 8).any()

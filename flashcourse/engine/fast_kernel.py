@@ -298,19 +298,19 @@ def decode_split_kernel(
 
 
 @triton.jit
-def decode_merge_kernel(
+def _merge_partials(
     m_ptr, l_ptr, acc_ptr,                   # partials from decode_split_kernel: [B*Hq, SPLITS] and [B*Hq, SPLITS, D]
     o_ptr,                                   # o [B, Hq, 1, D], contiguous
+    bh,                                      # the (batch, query head) to merge: b * Hq + h
     splits,                                  # how many partials each (batch, head) has
     D: tl.constexpr,                         # head dimension
     SPLITS_PAD: tl.constexpr,                # splits rounded up to a power of two
 ):
-    """Flash-decoding's second half: one program per (batch, query head) merges its partial states.
+    """Flash-decoding's second half for one (batch, query head): merge its partial states into its row of o.
 
     With M = max_i m_i, each partial is rescaled by exp2(m_i - M) (assignment 01's merge_states):
     o = sum_i exp2(m_i - M) acc_i / sum_i exp2(m_i - M) l_i. Empty chunks have m_i = -inf: weight 0.
     """
-    bh = tl.program_id(0)
     i = tl.arange(0, SPLITS_PAD)                          # [SPLITS_PAD]
     cols = tl.arange(0, D)                                # [D]
     ok = i < splits
@@ -321,6 +321,17 @@ def decode_merge_kernel(
     w = tl.math.exp2(m - top)                             # [SPLITS_PAD], 0 for empty or padding partials
     o = tl.sum(w[:, None] * acc, axis=0) / tl.sum(w * l, axis=0)
     tl.store(o_ptr + bh * D + cols, o.to(o_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def decode_merge_kernel(
+    m_ptr, l_ptr, acc_ptr, o_ptr,            # as _merge_partials'
+    splits,                                  # how many partials each (batch, head) has
+    D: tl.constexpr,                         # head dimension
+    SPLITS_PAD: tl.constexpr,                # splits rounded up to a power of two
+):
+    """One program per (batch, query head), each merging its own partials."""
+    _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr, tl.program_id(0), splits, D, SPLITS_PAD)
 
 
 def decode_launch(device):
@@ -882,6 +893,94 @@ def short_cache_splits(batch, kv_heads, s, device):
     device = torch.device(device)
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     return max(1, min(processors // (batch * kv_heads), triton.cdiv(s, decode_launch(device)["BLOCK_N"])))
+
+
+@triton.jit
+def fused_decode_kernel(
+    q_ptr, k_ptr, v_ptr,                     # as decode_split_kernel's
+    m_ptr, l_ptr, acc_ptr,                   # partials, as decode_split_kernel's
+    o_ptr,                                   # o [B, Hq, 1, D], contiguous
+    tickets_ptr,                             # one int32 counter per (batch, KV head): 0 on entry, left at 0
+    stride_qb, stride_qh,                    # q's strides over batch and head
+    stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
+    stride_vb, stride_vh, stride_vs,         # v's strides over batch, KV head and key
+    S, chunk, kv_heads, group, qk_scale,     # as decode_split_kernel's
+    D: tl.constexpr,                         # head dimension, a power of two >= 16
+    GROUP_PAD: tl.constexpr,                 # group rounded up to a power of two >= 16
+    BLOCK_N: tl.constexpr,                   # keys per step of the split's loop
+    SPLITS_PAD: tl.constexpr,                # splits rounded up to a power of two
+):
+    """Flash-decoding in one launch: each program is one split; the last split of a (batch, KV head) to finish
+    merges the partials of its whole GQA group, then sets the group's counter back to 0."""
+    decode_split_kernel(q_ptr, k_ptr, v_ptr, m_ptr, l_ptr, acc_ptr, stride_qb, stride_qh,
+                        stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                        S, chunk, kv_heads, group, qk_scale, D, GROUP_PAD, BLOCK_N)
+    # The ticket is taken by one thread: wait until every thread of the program has issued its partial stores,
+    # so that the atomic's release covers all of them, not only that thread's own.
+    tl.debug_barrier()
+    splits = tl.num_programs(0)
+    bkv = tl.program_id(1)                                # which (batch, KV head)
+    ticket = tl.atomic_add(tickets_ptr + bkv, 1, sem="acq_rel")   # release our partials, acquire the others'
+    if ticket == splits - 1:                              # every other split of this (batch, KV head) is done
+        for g in range(group):                            # query heads bkv * group .. bkv * group + group - 1
+            _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr, bkv * group + g, splits, D, SPLITS_PAD)
+        tl.store(tickets_ptr + bkv, 0)                    # no split of this launch touches it again
+
+
+_DECODE_TICKETS = {}   # torch.device -> int32 zeros, one per (batch, KV head); every fused_decode leaves them 0
+
+
+def decode_tickets(device, count):
+    """At least `count` int32 counters at zero on `device`, allocated once and grown on demand (no fill per call).
+
+    A CUDA graph records the counters' address: they are allocated outside a capture, never inside one.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:   # "cuda" and "cuda:0" must find the same counters
+        device = torch.device("cuda", torch.cuda.current_device())
+    tickets = _DECODE_TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"fused_decode needs {count} counters: call it once at this shape before capturing "
+                               "a CUDA graph")
+        tickets = torch.zeros(triton.next_power_of_2(count), device=device, dtype=torch.int32)
+        _DECODE_TICKETS[device] = tickets
+    return tickets
+
+
+def fused_decode(q, k, v, splits=None):
+    """fast_decode's result in one launch: q [B, Hq, 1, D] over k, v [B, Hkv, S, D] -> [B, Hq, 1, D].
+
+    The split kernel's programs merge as they finish (fused_decode_kernel). `splits` defaults to
+    short_cache_splits. Calls on one device share its counters: run them on one stream at a time.
+    """
+    _check_inputs(q, k, v)
+    batch, q_heads, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    if t != 1:
+        raise ValueError(f"fused_decode takes one query per sequence (T = 1), got T = {t}")
+    if s < 1:
+        raise ValueError("fused_decode needs at least one key")
+    splits = short_cache_splits(batch, kv_heads, s, q.device) if splits is None else int(splits)
+    if splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    group = q_heads // kv_heads
+    chunk = triton.cdiv(triton.cdiv(s, splits), 16) * 16          # keys per split, a multiple of 16
+    m = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)       # [B, Hq, SPLITS]
+    l = torch.empty_like(m)                                                              # [B, Hq, SPLITS]
+    acc = torch.empty(batch, q_heads, splits, d, device=q.device, dtype=torch.float32)  # [B, Hq, SPLITS, D]
+    o = torch.empty_like(q)                                                              # [B, Hq, 1, D]
+    fused_decode_kernel[(splits, batch * kv_heads)](
+        q, k, v, m, l, acc, o, decode_tickets(q.device, batch * kv_heads),
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        s, chunk, kv_heads, group, LOG2E / math.sqrt(d),
+        D=d, GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLITS_PAD=triton.next_power_of_2(splits),
+        **decode_launch(q.device),
+    )
+    return o
 
 
 try:  # Gluon, Triton's lower-level layer (Triton 3.5 and later): explicit warps, barriers and asynchronous MMAs
