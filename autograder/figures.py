@@ -37,6 +37,8 @@ PROFILE = "flashcourse/measured/fast_profile.json"              # Nsight Compute
 RING_REPORT = "benchmarks/results/2026-11-30-h200x2-ring-05.md"   # 07's ring on two H200s (bench_ring)
 LPT_GROUPS = "flashcourse/measured/fast_lpt_groups.json"        # longest first in L2-sized head groups
 LAST_GAP_2 = "flashcourse/measured/fast_last_gap_2.json"        # 05's last part: the grid with the lse forward, decode
+HOPPER = "flashcourse/measured/fast_hopper.json"              # 05: hopper_attention (Gluon) on the prefill grid
+FUSED = "flashcourse/measured/fast_decode_fused.json"        # 05: decode in one launch against two
 TRIALS = "flashcourse/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -196,9 +198,23 @@ def _lse_over_fast(data) -> list[float]:
     return [r["fast_attention_lse"] / r["fast_attention"] for r in data["prefill"]]
 
 
-def _best_of_cudnn(data) -> list[float]:
-    """The faster of the two course kernels over cuDNN, at every row of the grid."""
-    return [max(r["fast_attention"], r["fast_attention_lse"]) / r["SDPA cuDNN"] for r in data["prefill"]]
+def _hopper_ratios(data, best: bool) -> list[float]:
+    """hopper_attention (or the faster of the two course kernels) over cuDNN, every row of the grid."""
+    return [(max(r["hopper_attention"], r["fast_attention"]) if best else r["hopper_attention"]) / r["SDPA cuDNN"]
+            for r in data["prefill"]]
+
+
+def _hopper_row(data, t: int, causal: bool = True, d: int = 128, dtype: str = "bf16", kv_heads: int = 32) -> dict:
+    return next(r for r in data["prefill"] if (r["t"], r["causal"], r["d"], r["dtype"], r["kv_heads"])
+                == (t, causal, d, dtype, kv_heads))
+
+
+def _fused_over_two(data) -> list[float]:
+    return [r["fused_decode"] / r["fast_decode"] for r in data["decode_fused"] if r["batch"] == 1]
+
+
+def _fused_row(data, s: int, batch: int = 1) -> dict:
+    return next(r for r in data["decode_fused"] if (r["batch"], r["s"]) == (batch, s))
 
 
 def _trial(data, key: str, t: int, name: str) -> float:
@@ -339,8 +355,23 @@ FIGURES: dict[str, Figure] = {
     "gap2.lse.error_e6": Figure(LAST_GAP_2, lambda d: 1e6 * max(r["lse error"] for r in d["prefill"]), 1),
     "gap2.fast.repeat_4k": Figure(LAST_GAP_2, lambda d: d["prefill"][2]["fast_attention"]),
     "gap2.fast.trial_4k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 4096, "fast_attention")),
-    "gap2.of_cudnn_min": Figure(LAST_GAP_2, lambda d: min(_best_of_cudnn(d)), 2),
-    "gap2.of_cudnn_max": Figure(LAST_GAP_2, lambda d: max(_best_of_cudnn(d)), 2),
+    "hopper.of_cudnn_min": Figure(HOPPER, lambda d: min(_hopper_ratios(d, False)), 2),
+    "hopper.of_cudnn_max": Figure(HOPPER, lambda d: max(_hopper_ratios(d, False)), 2),
+    "hopper.best_of_cudnn_min": Figure(HOPPER, lambda d: min(_hopper_ratios(d, True)), 2),
+    "hopper.best_of_cudnn_max": Figure(HOPPER, lambda d: max(_hopper_ratios(d, True)), 2),
+    "hopper.rows_at_cudnn": Figure(HOPPER, lambda d: sum(x >= 0.995 for x in _hopper_ratios(d, True))),
+    "hopper.rows": Figure(HOPPER, lambda d: len(d["prefill"])),
+    "hopper.causal_16k": Figure(HOPPER, lambda d: _hopper_row(d, 16384)["hopper_attention"]),
+    "hopper.cudnn_causal_16k": Figure(HOPPER, lambda d: _hopper_row(d, 16384)["SDPA cuDNN"]),
+    "hopper.fast_causal_16k": Figure(HOPPER, lambda d: _hopper_row(d, 16384)["fast_attention"]),
+    "hopper.causal_1k_of_cudnn": Figure(HOPPER, lambda d: _hopper_row(d, 1024)["hopper_attention"]
+                                        / _hopper_row(d, 1024)["SDPA cuDNN"], 2),
+    "hopper.full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["hopper_attention"]),
+    "hopper.fast_full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["fast_attention"]),
+    "fused.over_two_min": Figure(FUSED, lambda d: min(_fused_over_two(d)), 2),
+    "fused.over_two_max": Figure(FUSED, lambda d: max(_fused_over_two(d)), 2),
+    "fused.tbs_8k": Figure(FUSED, lambda d: _fused_row(d, 8192)["fused_decode"], 2),
+    "fused.two_8k": Figure(FUSED, lambda d: _fused_row(d, 8192)["fast_decode"], 2),
     "gap2.stages.s3_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s3")),
     "gap2.stages.s5_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s5")),
     "gap2.stages.s3_128x128_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x128 w8 s3")),
