@@ -1033,20 +1033,37 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
+    def _hopper_next(queue_ptr, n_items, first: gl.constexpr, PERSISTENT: gl.constexpr):
+        # The next work item: a persistent program takes it from the queue (the items in their order, each to
+        # whichever program asks first); otherwise a program has one item, its own.
+        if PERSISTENT:
+            item = gl.atomic_add(queue_ptr, 1)
+        elif first:
+            item = gl.program_id(0)
+        else:
+            item = n_items
+        return item
+
+
+    @gluon.jit
     def _hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                     v_empty, T, S, Hq, Hkv, query_offset, n_m, n_items,
+                     v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
                      HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr):
-        # The producer warp: for each of its items, Q's two halves, then K and V tiles into rings of STAGES
-        # slots. A slot (and Q) is refilled once both consumers have arrived on its empty barrier.
+                     CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+        # The producer warp: for each of its items, the item's number for the consumers, Q's two halves, then K
+        # and V tiles into rings of STAGES slots. A slot (and Q) is refilled once both consumers have arrived on
+        # its empty barrier. n_items for an item means that none is left.
         dtype: gl.constexpr = q_desc.dtype
         tile_bytes: gl.constexpr = BLOCK_N * D * dtype.primitive_bitwidth // 8
+        item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         t = 0                                     # tiles loaded so far, over all items: the rings' position
         done = 0                                  # items loaded so far
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        item = _hopper_next(queue_ptr, n_items, True, PERSISTENT)
+        while item < n_items:
             bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
             kv_row = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * S
             mbarrier.wait(q_empty, (done & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
+            item_smem.store(gl.full([1], item, gl.int32, item_layout))   # visible once q_bar completes
             mbarrier.expect(q_bar, 2 * HALF_M * D * dtype.primitive_bitwidth // 8)
             tma.async_copy_global_to_shared(q_desc, [bh * T + row0, 0], q_bar, q_smem.index(0))
             tma.async_copy_global_to_shared(q_desc, [bh * T + row0 + HALF_M, 0], q_bar, q_smem.index(1))
@@ -1063,6 +1080,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                                                 v_smem.index(slot))
                 t += 1
             done += 1
+            item = _hopper_next(queue_ptr, n_items, False, PERSISTENT)
+        mbarrier.wait(q_empty, (done & 1) ^ 1)
+        item_smem.store(gl.full([1], n_items, gl.int32, item_layout))
+        mbarrier.arrive(q_bar, count=1)
 
 
     @gluon.jit
@@ -1080,7 +1101,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
     @gluon.jit
     def _hopper_consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                        o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
+                        item_smem, o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
                         HALF: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
         # One consumer warpgroup: HALF_M query rows of each item against its K/V tiles. Per tile j it issues
@@ -1098,14 +1119,16 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         t = 0                                     # tiles consumed so far, over all items
         k = 0                                     # bursts of matrix products issued so far (the ping-pong's turns)
         done = 0
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        mbarrier.wait(q_bar, 0)
+        item = gl.max(item_smem.load(item_layout), axis=0)
+        while item < n_items:
             bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
             first = q_first + HALF * HALF_M
             q_pos = first + gl.arange(0, HALF_M, layout=row_layout)
             m = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
             l = gl.zeros([HALF_M], gl.float32, row_layout)
 
-            mbarrier.wait(q_bar, done & 1)
             slot = t % STAGES
             mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
             _take_turn(turns, k, HALF, PINGPONG)
@@ -1155,12 +1178,15 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             gl.store(o_ptr + (bh * T + rows)[:, None] * D + cols[None, :], out, mask=(rows < T)[:, None])
+            mbarrier.wait(q_bar, done & 1)
+            item = gl.max(item_smem.load(item_layout), axis=0)
 
 
     @gluon.jit
     def hopper_fwd_kernel(
         q_desc, k_desc, v_desc,                  # TMA descriptors: q [B*Hq*T, D] by 64 rows, k and v [B*Hkv*S, D]
         o_ptr,                                   # o [B, Hq, T, D], contiguous
+        queue_ptr,                               # int32 zero: the next work item, when PERSISTENT
         T, S, Hq, Hkv, B_HQ,                     # queries, keys, query heads, KV heads, B x Hq
         query_offset,                            # absolute position of query 0
         qk_scale,                                # log2(e)/sqrt(D)
@@ -1169,6 +1195,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr,
         PINGPONG: gl.constexpr,
+        PERSISTENT: gl.constexpr,
     ):
         HALF_M: gl.constexpr = 64
         BLOCK_M: gl.constexpr = 2 * HALF_M
@@ -1186,6 +1213,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         mbarrier.init(q_bar, count=1)
         mbarrier.init(q_empty, count=2)
         mbarrier.init(turns.index(0), count=1)
@@ -1198,23 +1226,23 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         fence_async_shared()
 
         gl.warp_specialize([
-            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns, o_ptr,
-                               T, S, query_offset, n_m, n_items, qk_scale,
+            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                               item_smem, o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
                                0, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG)),
-            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns, o_ptr,
-                               T, S, query_offset, n_m, n_items, qk_scale,
+            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                               item_smem, o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
                                1, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG)),
             (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                            v_empty, T, S, Hq, Hkv, query_offset, n_m, n_items, HALF_M, BLOCK_N, D, STAGES, CAUSAL)),
+                            v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
+                            HALF_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT)),
         ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
 
 
 def hopper_schedule(t, causal):
     """(persistent, pingpong) for hopper_attention, as the H200 measured them (python -m flashcourse.bench_fast
-    --hopper): one program per work item under a causal mask (the block scheduler then takes each head's longest
-    query blocks first), one program per multiprocessor without one; the ping-pong gained up to T = 4k
-    causal and lost at 16k."""
-    return (not causal), (causal and t <= 4096)
+    --hopper): persistent programs up to T = 4k under a causal mask (beyond it one program per work item kept
+    more of each head in the L2 cache) and always without one; the ping-pong without a mask up to T = 2k."""
+    return (not causal or t <= 4096), (not causal and t <= 2048)
 
 
 def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None):
@@ -1251,7 +1279,9 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
     v_desc = GluonDescriptor.from_tensor(v.view(B * Hkv * S, D), [HOPPER_BLOCK_N, D], kv_layout)
     items = triton.cdiv(T, HOPPER_BLOCK_M) * B * Hq
     programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
+    queue = torch.zeros(1, dtype=torch.int32, device=q.device)
     hopper_fwd_kernel[(programs,)](
-        q_desc, k_desc, v_desc, o, T, S, Hq, Hkv, B * Hq, query_offset, LOG2E / math.sqrt(D),
-        D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong, num_warps=4)
+        q_desc, k_desc, v_desc, o, queue, T, S, Hq, Hkv, B * Hq, query_offset, LOG2E / math.sqrt(D),
+        D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong, PERSISTENT=persistent,
+        num_warps=4)
     return o
