@@ -722,35 +722,53 @@ def lse_error(lse, q, k, causal: bool, heads: int = 2) -> float:
     return float((lse[:1, :heads] - torch.logsumexp(reference_scores(q, k, causal, heads), -1)).abs().max())
 
 
-def prefill_with_lse(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
-    """bench_fast's prefill grid: fast_attention, fast_attention_lse (autotuned), SDPA cuDNN and flash (TFLOP/s)."""
+def _prefill_cases(grid):
+    """Each row of a prefill grid: its fields, q, k and v (T = S), its FLOPs, and SDPA's cuDNN and flash
+    backends as callables on those inputs."""
     from torch.nn.attention import SDPBackend
 
+    for dtype_name, causal, d, q_heads, kv_heads, lengths in grid:
+        gqa = q_heads != kv_heads
+        for t in lengths:
+            batch = max(1, TOKENS // t)
+            q, k, v = _inputs(batch, q_heads, kv_heads, t, t, d, DTYPES[dtype_name])
+            row = dict(dtype=dtype_name, causal=causal, d=d, q_heads=q_heads, kv_heads=kv_heads, t=t, batch=batch)
+            sdpa = {name: functools.partial(_sdpa(backend, causal, gqa), q, k, v) for name, backend in
+                    (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA flash", SDPBackend.FLASH_ATTENTION))}
+            yield row, q, k, v, (2.0 if causal else 4.0) * batch * q_heads * t * t * d, sdpa
+            del q, k, v, sdpa
+            torch.cuda.empty_cache()
+
+
+def _time_row(row, impls, flops) -> None:
+    """row[name] = TFLOP/s of each implementation, NaN where one fails."""
+    for name, fn in impls.items():
+        row[name] = flops / _or_nan(_ms, fn) / 1e9
+
+
+def _print_row(row, names, suffix="") -> None:
+    print(f"  {row['dtype']} {'causal' if row['causal'] else 'full  '} D={row['d']} H={row['q_heads']}/"
+          f"{row['kv_heads']} T={row['t']:5d} B={row['batch']:2d}: " + ", ".join(f"{n} {row[n]:.0f}" for n in names)
+          + suffix, flush=True)
+
+
+def prefill_with_lse(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
+    """bench_fast's prefill grid: fast_attention, fast_attention_lse (autotuned), SDPA cuDNN and flash (TFLOP/s)."""
     from flashcourse.engine.fast_kernel import fast_attention, fast_attention_lse, fast_lse_tuned
 
     rows = [] if rows is None else rows
-    for dtype_name, causal, d, q_heads, kv_heads, lengths in grid:
-        dtype, gqa = DTYPES[dtype_name], q_heads != kv_heads
-        for t in lengths:
-            batch = max(1, TOKENS // t)
-            q, k, v = _inputs(batch, q_heads, kv_heads, t, t, d, dtype)
-            flops = (2.0 if causal else 4.0) * batch * q_heads * t * t * d
-            impls = {"fast_attention": lambda: fast_attention(q, k, v, causal=causal),
-                     "fast_attention_lse": lambda: fast_attention_lse(q, k, v, causal=causal),
-                     "SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, gqa)(q, k, v),
-                     "SDPA flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, causal, gqa)(q, k, v)}
-            row = dict(dtype=dtype_name, causal=causal, d=d, q_heads=q_heads, kv_heads=kv_heads, t=t, batch=batch)
-            for name, fn in impls.items():
-                row[name] = flops / _or_nan(_ms, fn) / 1e9
-            o, lse = fast_attention_lse(q, k, v, causal=causal)
-            row["lse o error"], row["lse error"] = max_error(o, q, k, v, causal), lse_error(lse, q, k, causal)
-            row["lse config"] = str(fast_lse_tuned.best_config)
-            rows.append(row)
-            done()
-            print(f"  {dtype_name} {'causal' if causal else 'full  '} D={d} H={q_heads}/{kv_heads} T={t:5d} B={batch:2d}: "
-                  + ", ".join(f"{n} {row[n]:.0f}" for n in impls) + f"  [{row['lse config']}]", flush=True)
-            del q, k, v, o, lse
-            torch.cuda.empty_cache()
+    for row, q, k, v, flops, sdpa in _prefill_cases(grid):
+        causal = row["causal"]
+        impls = {"fast_attention": lambda: fast_attention(q, k, v, causal=causal),
+                 "fast_attention_lse": lambda: fast_attention_lse(q, k, v, causal=causal), **sdpa}
+        _time_row(row, impls, flops)
+        o, lse = fast_attention_lse(q, k, v, causal=causal)
+        row["lse o error"], row["lse error"] = max_error(o, q, k, v, causal), lse_error(lse, q, k, causal)
+        row["lse config"] = str(fast_lse_tuned.best_config)
+        rows.append(row)
+        done()
+        _print_row(row, impls, f"  [{row['lse config']}]")
+        del o, lse
     return rows
 
 
@@ -859,35 +877,22 @@ HOPPER_NAMES = ["fast_attention", "hopper_attention", "SDPA cuDNN", "SDPA flash"
 def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
     """bench_fast's prefill grid: hopper_attention with its own schedule and with each of HOPPER_SCHEDULES,
     fast_attention, SDPA cuDNN and flash (TFLOP/s), and both course kernels' errors against FP32."""
-    from torch.nn.attention import SDPBackend
-
     from flashcourse.engine.fast_kernel import fast_attention, hopper_attention
 
     rows = [] if rows is None else rows
-    for dtype_name, causal, d, q_heads, kv_heads, lengths in grid:
-        dtype, gqa = DTYPES[dtype_name], q_heads != kv_heads
-        for t in lengths:
-            batch = max(1, TOKENS // t)
-            q, k, v = _inputs(batch, q_heads, kv_heads, t, t, d, dtype)
-            flops = (2.0 if causal else 4.0) * batch * q_heads * t * t * d
-            impls = {"fast_attention": lambda: fast_attention(q, k, v, causal=causal),
-                     "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal),
-                     "SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, gqa)(q, k, v),
-                     "SDPA flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, causal, gqa)(q, k, v)}
-            for name, (persistent, pingpong) in HOPPER_SCHEDULES.items():
-                impls[name] = functools.partial(hopper_attention, q, k, v, causal=causal, persistent=persistent,
-                                                pingpong=pingpong)
-            row = dict(dtype=dtype_name, causal=causal, d=d, q_heads=q_heads, kv_heads=kv_heads, t=t, batch=batch)
-            for name, fn in impls.items():
-                row[name] = flops / _or_nan(_ms, fn) / 1e9
-            row["fast error"] = max_error(fast_attention(q, k, v, causal=causal), q, k, v, causal)
-            row["hopper error"] = max_error(hopper_attention(q, k, v, causal=causal), q, k, v, causal)
-            rows.append(row)
-            done()
-            print(f"  {dtype_name} {'causal' if causal else 'full  '} D={d} H={q_heads}/{kv_heads} T={t:5d} B={batch:2d}: "
-                  + ", ".join(f"{n} {row[n]:.0f}" for n in impls), flush=True)
-            del q, k, v
-            torch.cuda.empty_cache()
+    for row, q, k, v, flops, sdpa in _prefill_cases(grid):
+        causal = row["causal"]
+        impls = {"fast_attention": lambda: fast_attention(q, k, v, causal=causal),
+                 "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal), **sdpa}
+        for name, (persistent, pingpong) in HOPPER_SCHEDULES.items():
+            impls[name] = functools.partial(hopper_attention, q, k, v, causal=causal, persistent=persistent,
+                                            pingpong=pingpong)
+        _time_row(row, impls, flops)
+        row["fast error"] = max_error(fast_attention(q, k, v, causal=causal), q, k, v, causal)
+        row["hopper error"] = max_error(hopper_attention(q, k, v, causal=causal), q, k, v, causal)
+        rows.append(row)
+        done()
+        _print_row(row, impls)
     return rows
 
 
@@ -914,11 +919,11 @@ def hopper_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def hopper_main(args) -> int:
-    """--hopper: the prefill grid with hopper_attention, saved after every row."""
-    result = {"environment": environment(), "prefill": []}
-    prefill_hopper(rows=result["prefill"], done=lambda: _save_json(result, args.json))
-    _show_report(hopper_report(result), args.out)
+def _measure_main(args, key: str, measure, report) -> int:
+    """One table: measure(rows=...) saved to --json after every row, then report(result) to --out."""
+    result = {"environment": environment(), key: []}
+    measure(rows=result[key], done=lambda: _save_json(result, args.json))
+    _show_report(report(result), args.out)
     return 0
 
 
@@ -978,14 +983,6 @@ def decode_fused_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def decode_fused_main(args) -> int:
-    """--decode-fused: decode_fused over SHORT_DECODE, saved after every row."""
-    result = {"environment": environment(), "decode_fused": []}
-    decode_fused(rows=result["decode_fused"], done=lambda: _save_json(result, args.json))
-    _show_report(decode_fused_report(result), args.out)
-    return 0
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the markdown report to this file")
@@ -1032,9 +1029,9 @@ def main(argv=None) -> int:
     if args.last_gap_2:
         return last_gap_2_main(args)
     if args.hopper:
-        return hopper_main(args)
+        return _measure_main(args, "prefill", prefill_hopper, hopper_report)
     if args.decode_fused:
-        return decode_fused_main(args)
+        return _measure_main(args, "decode_fused", decode_fused, decode_fused_report)
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)

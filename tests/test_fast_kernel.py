@@ -450,6 +450,30 @@ def test_decode_fused_report():
     assert table[2].startswith("| 1 | 8192 | 16 | 2.70 | 2.50 | 2.00 | 3.00 | 90 % | 83 % | 1.08 | 1.35 |")
 
 
+def test_hopper_report():
+    """--hopper's table: one row per shape, the ratios to cuDNN and to fast_attention from its columns."""
+    from flashcourse.bench_fast import HOPPER_SCHEDULES, hopper_report
+
+    row = {"dtype": "bf16", "causal": True, "d": 128, "q_heads": 32, "kv_heads": 8, "t": 1024, "batch": 32,
+           "fast_attention": 400.0, "hopper_attention": 500.0, "SDPA cuDNN": 500.0, "SDPA flash": 250.0,
+           "fast error": 1e-3, "hopper error": 2e-3, **{name: 100.0 + i for i, name in enumerate(HOPPER_SCHEDULES)}}
+    text = hopper_report({"environment": "a test", "prefill": [row]})
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1
+    assert table[2] == ("| bf16 | yes | 128 | 32/8 | 1024 | 32 | 400.0 | 500.0 | 500.0 | 250.0 | 1.00 | 1.00 | 1.25 | "
+                        "1.0e-03 | 2.0e-03 | 100.0 | 101.0 | 102.0 | 103.0 |")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
+def test_hopper_bench_refuses_a_cpu(capsys):
+    """--hopper measures nothing without a GPU and says so."""
+    from flashcourse.bench import GPU_NEEDED
+    from flashcourse.bench_fast import main
+
+    assert main(["--hopper"]) == 1
+    assert GPU_NEEDED in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
 def test_decode_fused_refuses_a_cpu(capsys):
     """--decode-fused measures nothing without a GPU and says so."""
