@@ -209,6 +209,15 @@ def _hopper_row(data, t: int, causal: bool = True, d: int = 128, dtype: str = "b
                 == (t, causal, d, dtype, kv_heads))
 
 
+def _hopper_repeats(data) -> list[float]:
+    """hopper_attention over its own schedule's column, every row: the same kernel timed twice in one run."""
+    from flashcourse.bench_fast import HOPPER_SCHEDULES
+    from flashcourse.engine.fast_kernel import hopper_schedule
+
+    column = {schedule: name for name, schedule in HOPPER_SCHEDULES.items()}
+    return [r["hopper_attention"] / r[column[hopper_schedule(r["t"], r["causal"])]] for r in data["prefill"]]
+
+
 def _fused_over_two(data) -> list[float]:
     return [r["fused_decode"] / r["fast_decode"] for r in data["decode_fused"] if r["batch"] == 1]
 
@@ -368,6 +377,8 @@ FIGURES: dict[str, Figure] = {
                                         / _hopper_row(d, 1024)["SDPA cuDNN"], 2),
     "hopper.full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["hopper_attention"]),
     "hopper.fast_full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["fast_attention"]),
+    "hopper.repeat_rows_within_5": Figure(HOPPER, lambda d: sum(abs(x - 1) <= 0.05 for x in _hopper_repeats(d))),
+    "hopper.repeat_worst_pct": Figure(HOPPER, lambda d: 100 * max(abs(x - 1) for x in _hopper_repeats(d))),
     "fused.over_two_min": Figure(FUSED, lambda d: min(_fused_over_two(d)), 2),
     "fused.over_two_max": Figure(FUSED, lambda d: max(_fused_over_two(d)), 2),
     "fused.tbs_8k": Figure(FUSED, lambda d: _fused_row(d, 8192)["fused_decode"], 2),

@@ -919,6 +919,37 @@ def hopper_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def hopper_plot(result: dict, path: str | None = None):
+    """Three panels of --hopper's grid (bf16, D = 128, Hq = Hkv = 32): TFLOP/s against T causal and not causal,
+    and hopper_attention's four schedules causal. Saved to `path` when given; the figure is returned."""
+    import matplotlib
+
+    if path:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def rows(causal):
+        return [r for r in result["prefill"] if r["dtype"] == "bf16" and r["d"] == 128 and r["causal"] == causal
+                and r["q_heads"] == r["kv_heads"]]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    panels = [(axes[0], rows(True), HOPPER_NAMES, "bf16 causal, D=128, H=32"),
+              (axes[1], rows(False), HOPPER_NAMES, "bf16 not causal, D=128, H=32"),
+              (axes[2], rows(True), list(HOPPER_SCHEDULES) + ["SDPA cuDNN"], "hopper_attention's schedules, causal")]
+    for ax, grid, names, title in panels:
+        for name in names:
+            ax.plot([r["t"] for r in grid], [r[name] for r in grid], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T = S")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(result["environment"])
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def _measure_main(args, key: str, measure, report) -> int:
     """One table: measure(rows=...) saved to --json after every row, then report(result) to --out."""
     result = {"environment": environment(), key: []}

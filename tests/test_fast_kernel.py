@@ -482,3 +482,17 @@ def test_decode_fused_refuses_a_cpu(capsys):
 
     assert main(["--decode-fused"]) == 1
     assert GPU_NEEDED in capsys.readouterr().out
+
+
+def test_hopper_plot_draws_the_saved_grid(tmp_path):
+    """hopper_plot on the saved H200 grid: three panels, one line per implementation or schedule, a PNG written."""
+    import json
+
+    from flashcourse import bench
+    from flashcourse.bench_fast import HOPPER_NAMES, HOPPER_SCHEDULES, hopper_plot
+
+    grid = json.loads(bench.measured("fast_hopper.json").read_text())
+    figure = hopper_plot(grid, str(tmp_path / "hopper.png"))
+    assert [len(ax.lines) for ax in figure.axes] == [len(HOPPER_NAMES)] * 2 + [len(HOPPER_SCHEDULES) + 1]
+    assert all(len(line.get_xdata()) >= 4 for ax in figure.axes for line in ax.lines)
+    assert (tmp_path / "hopper.png").stat().st_size > 10_000
