@@ -496,3 +496,74 @@ def test_hopper_plot_draws_the_saved_grid(tmp_path):
     assert [len(ax.lines) for ax in figure.axes] == [len(HOPPER_NAMES)] * 2 + [len(HOPPER_SCHEDULES) + 1]
     assert all(len(line.get_xdata()) >= 4 for ax in figure.axes for line in ax.lines)
     assert (tmp_path / "hopper.png").stat().st_size > 10_000
+
+
+SM90_COMPILE = """
+import json, os, sys
+
+import torch
+import triton  # imported before the course's runtime turns the interpreter on (there is no GPU here), so that
+from triton.experimental.gluon import language  # Gluon's own standard functions are compiled ones
+from triton.backends.compiler import GPUTarget
+
+from flashcourse.engine import fast_kernel as fk
+
+if fk.gluon is None:
+    print(json.dumps({"no gluon": triton.__version__}))
+    sys.exit(0)
+os.environ["TRITON_INTERPRET"] = "0"
+
+
+class Sm90Driver:  # stands in for the GPU driver: the target it names is an H100/H200's
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+triton.runtime.driver.set_active(Sm90Driver())
+gl, results = fk.gl, []
+for d, causal, pingpong, persistent in json.loads(sys.argv[1]):
+    q = torch.empty(512, d, dtype=torch.bfloat16)
+    k = torch.empty(256, d, dtype=torch.bfloat16)
+    q_desc = fk.GluonDescriptor.from_tensor(q, [64, d], gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16))
+    kv_layout = gl.NVMMASharedLayout.get_default_for([fk.HOPPER_BLOCK_N, d], gl.bfloat16)
+    k_desc = fk.GluonDescriptor.from_tensor(k, [fk.HOPPER_BLOCK_N, d], kv_layout)
+    compiled = fk.hopper_fwd_kernel.warmup(
+        q_desc, k_desc, k_desc, torch.empty(1, 2, 256, d, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32),
+        256, 256, 2, 1, 2, 0, 0.1, D=d, BLOCK_N=fk.HOPPER_BLOCK_N, STAGES=fk.HOPPER_STAGES, CAUSAL=causal,
+        PINGPONG=pingpong, PERSISTENT=persistent, num_warps=4, grid=(1,))
+    results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
+                    "shared": compiled.metadata.shared})
+print(json.dumps(results))
+"""
+
+
+def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """hopper_fwd_kernel compiles to an sm_90 binary with this machine's Triton and no GPU (a stand-in driver names
+    the target, Triton's own ptxas assembles it, in a fresh cache): a Gluon name that moved, as the TMA load did in
+    Triton 3.9, fails here before it fails on a Hopper. Each binary holds wgmma and fits in shared memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    configs = [(128, True, True, True), (64, False, False, False), (128, False, True, False)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(configs)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    if isinstance(results, dict):
+        pytest.skip(f"Triton {results['no gluon']} has no Gluon layer: hopper_attention refuses, as tested above")
+    assert len(results) == len(configs)
+    for config, result in zip(configs, results):
+        assert result["cubin"] > 0 and result["wgmma"] >= 4, (config, result)
+        assert result["shared"] <= 227 * 1024, (config, result)

@@ -989,6 +989,8 @@ try:  # Gluon, Triton's lower-level layer (Triton 3.5 and later): explicit warps
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                  warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except ImportError:  # an older Triton: hopper_attention says so when called, everything else works
     gluon = None
 
@@ -1065,18 +1067,18 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             mbarrier.wait(q_empty, (done & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
             item_smem.store(gl.full([1], item, gl.int32, item_layout))   # visible once q_bar completes
             mbarrier.expect(q_bar, 2 * HALF_M * D * dtype.primitive_bitwidth // 8)
-            tma.async_copy_global_to_shared(q_desc, [bh * T + row0, 0], q_bar, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [bh * T + row0 + HALF_M, 0], q_bar, q_smem.index(1))
+            tma_load(q_desc, [bh * T + row0, 0], q_bar, q_smem.index(0))
+            tma_load(q_desc, [bh * T + row0 + HALF_M, 0], q_bar, q_smem.index(1))
             for j in range(n_tiles):
                 slot = t % STAGES
                 free_phase = ((t // STAGES) & 1) ^ 1
                 mbarrier.wait(k_empty.index(slot), free_phase)
                 mbarrier.expect(k_full.index(slot), tile_bytes)
-                tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_full.index(slot),
+                tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_full.index(slot),
                                                 k_smem.index(slot))
                 mbarrier.wait(v_empty.index(slot), free_phase)
                 mbarrier.expect(v_full.index(slot), tile_bytes)
-                tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_full.index(slot),
+                tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_full.index(slot),
                                                 v_smem.index(slot))
                 t += 1
             done += 1
