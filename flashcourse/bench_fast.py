@@ -772,32 +772,48 @@ def prefill_with_lse(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
     return rows
 
 
-def decode_short(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, done=lambda: None) -> list[dict]:
-    """fast_decode with decode_splits and with short_cache_splits, SDPA's backends and a same-bytes copy (TB/s)."""
-    from torch.nn.attention import SDPBackend
+def _decode_cases(grid, q_heads, kv_heads, d):
+    """Each (B, S) of a decode grid: its row (B, S, cache copies, short_cache_splits, the same-bytes copy's TB/s),
+    the bytes of K and V one decode reads, and several copies of the cache (more than the L2 holds)."""
+    from flashcourse.engine.fast_kernel import short_cache_splits
 
-    from flashcourse.engine.fast_kernel import fast_decode, short_cache_splits
-
-    rows = [] if rows is None else rows
     for batch, s in grid:
         kv_bytes = 2 * batch * kv_heads * s * d * 2
         copies = max(2, math.ceil(L2_FLUSH_BYTES / kv_bytes))
         caches = [_inputs(batch, q_heads, kv_heads, 1, s, d, torch.bfloat16, seed=i) for i in range(copies)]
-        splits = short_cache_splits(batch, kv_heads, s, "cuda")
-        impls = {"fast_decode": fast_decode, "short-cache splits": functools.partial(fast_decode, splits=splits),
+        row = dict(batch=batch, s=s, copies=copies, splits=short_cache_splits(batch, kv_heads, s, "cuda"),
+                   copy_same_bytes=_same_bytes_copy(caches))
+        yield row, kv_bytes, caches
+        del caches
+        torch.cuda.empty_cache()
+
+
+def _time_decode(row, impls, kv_bytes, caches) -> None:
+    """row[name] = TB/s of K and V read by each implementation, graph-timed over the cache copies, NaN on failure."""
+    for name, fn in impls.items():
+        row[name] = kv_bytes / _or_nan(_graph_ms, [functools.partial(fn, *cache) for cache in caches]) / 1e9
+
+
+def decode_short(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, done=lambda: None) -> list[dict]:
+    """fast_decode with decode_splits and with short_cache_splits, SDPA's backends and a same-bytes copy (TB/s)."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fast_kernel import fast_decode
+
+    rows = [] if rows is None else rows
+    for row, kv_bytes, caches in _decode_cases(grid, q_heads, kv_heads, d):
+        impls = {"fast_decode": fast_decode, "short-cache splits": functools.partial(fast_decode, splits=row["splits"]),
                  "SDPA cuDNN": _sdpa(SDPBackend.CUDNN_ATTENTION, False, True),
                  "SDPA flash": _sdpa(SDPBackend.FLASH_ATTENTION, False, True)}
-        row = dict(batch=batch, s=s, copies=copies, splits=splits, copy_same_bytes=_same_bytes_copy(caches))
+        _time_decode(row, impls, kv_bytes, caches)
         q, k, v = caches[0]
-        for name, fn in impls.items():
-            row[name] = kv_bytes / _or_nan(_graph_ms, [functools.partial(fn, *cache) for cache in caches]) / 1e9
         row["short-cache error"] = max_error(impls["short-cache splits"](q, k, v), q, k, v, False)
         rows.append(row)
         done()
-        print(f"  decode B={batch} S={s:6d} ({splits} splits): " + ", ".join(f"{n} {row[n]:.2f}" for n in impls)
-              + f", same-bytes copy {row['copy_same_bytes']:.2f} TB/s", flush=True)
-        del caches, q, k, v
-        torch.cuda.empty_cache()
+        print(f"  decode B={row['batch']} S={row['s']:6d} ({row['splits']} splits): "
+              + ", ".join(f"{n} {row[n]:.2f}" for n in impls) + f", same-bytes copy {row['copy_same_bytes']:.2f} TB/s",
+              flush=True)
+        del q, k, v
     return rows
 
 
@@ -966,30 +982,23 @@ def decode_fused(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, do
     SDPA cuDNN and a same-bytes copy, each timed in a CUDA graph over several copies of the cache (TB/s)."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_decode, fused_decode, short_cache_splits
+    from flashcourse.engine.fast_kernel import fast_decode, fused_decode
 
     rows = [] if rows is None else rows
-    for batch, s in grid:
-        kv_bytes = 2 * batch * kv_heads * s * d * 2
-        copies = max(2, math.ceil(L2_FLUSH_BYTES / kv_bytes))
-        caches = [_inputs(batch, q_heads, kv_heads, 1, s, d, torch.bfloat16, seed=i) for i in range(copies)]
-        splits = short_cache_splits(batch, kv_heads, s, "cuda")
-        impls = {"fused_decode": functools.partial(fused_decode, splits=splits),
-                 "fast_decode": functools.partial(fast_decode, splits=splits),
+    for row, kv_bytes, caches in _decode_cases(grid, q_heads, kv_heads, d):
+        impls = {"fused_decode": functools.partial(fused_decode, splits=row["splits"]),
+                 "fast_decode": functools.partial(fast_decode, splits=row["splits"]),
                  "SDPA cuDNN": _sdpa(SDPBackend.CUDNN_ATTENTION, False, True)}
-        row = dict(batch=batch, s=s, copies=copies, splits=splits, copy_same_bytes=_same_bytes_copy(caches))
-        for name, fn in impls.items():
-            row[name] = kv_bytes / _or_nan(_graph_ms, [functools.partial(fn, *cache) for cache in caches]) / 1e9
+        _time_decode(row, impls, kv_bytes, caches)
         q, k, v = caches[0]
         for name in ("fused_decode", "fast_decode"):
             row[f"{name} error"] = max_error(impls[name](q, k, v), q, k, v, False)
         rows.append(row)
         done()
-        print(f"  decode B={batch} S={s:6d} ({splits} splits): " + ", ".join(f"{n} {row[n]:.2f}" for n in FUSED_NAMES)
-              + f", same-bytes copy {row['copy_same_bytes']:.2f} TB/s; fused "
-              f"{100 * row['fused_decode'] / row['copy_same_bytes']:.0f} % of the copy", flush=True)
-        del caches, q, k, v
-        torch.cuda.empty_cache()
+        print(f"  decode B={row['batch']} S={row['s']:6d} ({row['splits']} splits): "
+              + ", ".join(f"{n} {row[n]:.2f}" for n in FUSED_NAMES) + f", same-bytes copy {row['copy_same_bytes']:.2f} "
+              f"TB/s; fused {100 * row['fused_decode'] / row['copy_same_bytes']:.0f} % of the copy", flush=True)
+        del q, k, v
     return rows
 
 
