@@ -120,8 +120,9 @@ def _ratios(data, over: str, **where) -> list[float]:
     return [r["fast_attention"] / r[over] for r in _prefill(data, **where)]
 
 
-def _decode(data, batch: int, s: int) -> dict:
-    return next(r for r in data["decode"] if r["batch"] == batch and r["s"] == s)
+def _decode(data, batch: int, s: int, table: str = "decode") -> dict:
+    """The row of a decode table (`decode` in 05's runs, `decode_fused` in the one-launch run) at B and S."""
+    return next(r for r in data[table] if r["batch"] == batch and r["s"] == s)
 
 
 def _decode_of_copy(data, batch: int, s_at_least: int = 0) -> list[float]:
@@ -204,9 +205,10 @@ def _hopper_ratios(data, best: bool) -> list[float]:
             for r in data["prefill"]]
 
 
-def _hopper_row(data, t: int, causal: bool = True, d: int = 128, dtype: str = "bf16", kv_heads: int = 32) -> dict:
-    return next(r for r in data["prefill"] if (r["t"], r["causal"], r["d"], r["dtype"], r["kv_heads"])
-                == (t, causal, d, dtype, kv_heads))
+def _hopper_row(data, t: int, causal: bool = True) -> dict:
+    """--hopper's row at bf16, D = 128, H = 32/32, T = t."""
+    (row,) = _prefill(data, t_in=(t,), causal=causal, d=128, dtype="bf16", kv_heads=32)
+    return row
 
 
 def _hopper_repeats(data) -> list[float]:
@@ -222,18 +224,9 @@ def _fused_over_two(data) -> list[float]:
     return [r["fused_decode"] / r["fast_decode"] for r in data["decode_fused"] if r["batch"] == 1]
 
 
-def _fused_row(data, s: int, batch: int = 1) -> dict:
-    return next(r for r in data["decode_fused"] if (r["batch"], r["s"]) == (batch, s))
-
-
 def _trial(data, key: str, t: int, name: str) -> float:
     """One cell of the trials: `name`'s TFLOP/s at T = t in the process `key` ("pipeline" or "pipeline_ws")."""
     return next(r[name] for r in data[key] if r["t"] == t)
-
-
-def _short(data, s: int, batch: int = 1) -> dict:
-    """The decode row of the final run at batch B and S = s."""
-    return next(r for r in data["decode"] if (r["batch"], r["s"]) == (batch, s))
 
 
 def _ring(report: Report, t: int, what: str, column: str) -> float:
@@ -381,8 +374,8 @@ FIGURES: dict[str, Figure] = {
     "hopper.repeat_worst_pct": Figure(HOPPER, lambda d: 100 * max(abs(x - 1) for x in _hopper_repeats(d))),
     "fused.over_two_min": Figure(FUSED, lambda d: min(_fused_over_two(d)), 2),
     "fused.over_two_max": Figure(FUSED, lambda d: max(_fused_over_two(d)), 2),
-    "fused.tbs_8k": Figure(FUSED, lambda d: _fused_row(d, 8192)["fused_decode"], 2),
-    "fused.two_8k": Figure(FUSED, lambda d: _fused_row(d, 8192)["fast_decode"], 2),
+    "fused.tbs_8k": Figure(FUSED, lambda d: _decode(d, 1, 8192, "decode_fused")["fused_decode"], 2),
+    "fused.two_8k": Figure(FUSED, lambda d: _decode(d, 1, 8192, "decode_fused")["fast_decode"], 2),
     "gap2.stages.s3_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s3")),
     "gap2.stages.s5_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s5")),
     "gap2.stages.s3_128x128_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x128 w8 s3")),
@@ -397,21 +390,21 @@ FIGURES: dict[str, Figure] = {
     "gap2.ws.chosen_rows": Figure(LAST_GAP_2, lambda d: sum("WARP_SPECIALIZE: True" in r["lse config"]
                                                             for r in d["prefill"])),
     "gap2.decode.copy_tbs": Figure(LAST_GAP_2, lambda d: d["copy_tbs"], 2),
-    "gap2.decode.default_1k": Figure(LAST_GAP_2, lambda d: _short(d, 1024)["fast_decode"], 2),
-    "gap2.decode.short_1k": Figure(LAST_GAP_2, lambda d: _short(d, 1024)["short-cache splits"], 2),
-    "gap2.decode.default_2k": Figure(LAST_GAP_2, lambda d: _short(d, 2048)["fast_decode"], 2),
-    "gap2.decode.short_2k": Figure(LAST_GAP_2, lambda d: _short(d, 2048)["short-cache splits"], 2),
-    "gap2.decode.default_4k": Figure(LAST_GAP_2, lambda d: _short(d, 4096)["fast_decode"], 2),
-    "gap2.decode.short_4k": Figure(LAST_GAP_2, lambda d: _short(d, 4096)["short-cache splits"], 2),
-    "gap2.decode.short_8k": Figure(LAST_GAP_2, lambda d: _short(d, 8192)["short-cache splits"], 2),
-    "gap2.decode.short_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192)["short-cache splits"] / d["copy_tbs"]),
-    "gap2.decode.short_16k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 16384)["short-cache splits"] / d["copy_tbs"]),
-    "gap2.decode.short_32k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 32768)["short-cache splits"] / d["copy_tbs"]),
-    "gap2.decode.copy_8k": Figure(LAST_GAP_2, lambda d: _short(d, 8192)["copy_same_bytes"], 2),
-    "gap2.decode.copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192)["copy_same_bytes"] / d["copy_tbs"]),
-    "gap2.decode.of_copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192)["short-cache splits"]
-                                         / _short(d, 8192)["copy_same_bytes"]),
-    "gap2.decode.b8_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _short(d, 8192, 8)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.default_1k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 1024)["fast_decode"], 2),
+    "gap2.decode.short_1k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 1024)["short-cache splits"], 2),
+    "gap2.decode.default_2k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 2048)["fast_decode"], 2),
+    "gap2.decode.short_2k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 2048)["short-cache splits"], 2),
+    "gap2.decode.default_4k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 4096)["fast_decode"], 2),
+    "gap2.decode.short_4k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 4096)["short-cache splits"], 2),
+    "gap2.decode.short_8k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 8192)["short-cache splits"], 2),
+    "gap2.decode.short_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 8192)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.short_16k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 16384)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.short_32k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 32768)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.copy_8k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 8192)["copy_same_bytes"], 2),
+    "gap2.decode.copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 8192)["copy_same_bytes"] / d["copy_tbs"]),
+    "gap2.decode.of_copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 8192)["short-cache splits"]
+                                         / _decode(d, 1, 8192)["copy_same_bytes"]),
+    "gap2.decode.b8_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 8, 8192)["short-cache splits"] / d["copy_tbs"]),
     "gap2.decode.over_cudnn_min": Figure(LAST_GAP_2, lambda d: min(r["short-cache splits"] / r["SDPA cuDNN"]
                                                                    for r in d["decode"]), 2),
     "gap2.decode.over_cudnn_max": Figure(LAST_GAP_2, lambda d: max(r["short-cache splits"] / r["SDPA cuDNN"]
