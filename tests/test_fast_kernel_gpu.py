@@ -151,6 +151,7 @@ def test_hopper_attention(engine, persistent, pingpong, dtype, batch, q_heads, k
     error = (got.cpu().double() - want).abs().max()
     assert error < 2e-2, f"persistent={persistent}, pingpong={pingpong}: max |error| {error:.2e}"
 
+
 @pytest.mark.parametrize("batch, s", [(1, 1000), (1, 8192), (8, 8191), (3, 131072)])
 def test_fused_decode(engine, batch, s):
     """fused_decode at Hq = 32, Hkv = 8, with short_cache_splits and with 64 splits: error against FP32 within 1e-2,
