@@ -18,7 +18,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 
 from nbgrader.converters import GenerateAssignment  # noqa: E402
 
-from autograder import execute, preprocessors  # noqa: E402  (needs ROOT on sys.path)
+from autograder import execute, links, preprocessors  # noqa: E402  (needs ROOT on sys.path)
+
+# A student whose submitted/ or autograded/ folder holds a symbolic link is refused before nbgrader copies or
+# runs anything of it (autograder/links.py): nbgrader would follow the link.
+links.install()
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 
