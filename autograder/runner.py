@@ -5,9 +5,13 @@
 It reads requests from IN_FD and answers on OUT_FD, in autograder/wire.py's format:
     {"op": "run", "code": ...}                      -> {"outputs": [...], "error": [name, message] | None}
     {"op": "call", "name": ..., "args": ..., "kwargs": ...} -> {"value": ...} | {"raised": [name, message]}
-    the same with "ranks": {"backend": ..., "timeout_s": ...}: args is one list of arguments per rank, and
-    the function is called on every rank of a process group (flashcourse.distributed); the value is
-    the list of the ranks' answers
+    {"op": "ranks", "name": ..., "world_size": P, "backend": ..., "timeout_s": ..., "kwargs": ...}: a child of
+    this process starts P ranks of a process group and waits to be killed, while this process waits for it to
+    end (ranks_call). Each rank joins the group, says {"ready": rank, "pid": ...}, then reads its own
+    arguments {"args": ...} (sent while the grader lets that rank alone run, so no other process of the
+    jail ever holds them), says {"got": rank}, calls the function and answers {"rank": ..., "value": ...}
+    or {"rank": ..., "raised": [...]}, the ranks one after another, then waits to be killed: the grader
+    reads each rank's peak memory first (autograder/jail.py, Jail.call_on_ranks).
     {"op": "fork"}: a child of this process answers {"forked": true}, then reads one "call" request,
     answers it and waits to be killed, while this process waits for it to end. The grader stops every
     other process of the jail and limits the child's memory from outside before it sends that request,
@@ -19,6 +23,7 @@ inputs the grader's tests call the learner's functions with.
 
 import ctypes
 import os
+import signal
 import sys
 import traceback
 
@@ -100,16 +105,9 @@ def call(shell, request: dict, tensors: dict) -> tuple[dict, dict]:
         return {"raised": ["NameError", f"{name} is not defined in the notebook: run the cell that defines it"]}, {}
     args = wire.decode(request.get("args", {"list": []}), tensors)
     kwargs = wire.decode(request.get("kwargs", {"dict": []}), tensors)
-    ranks = request.get("ranks")
     with capture_output() as captured:
         try:
-            if isinstance(ranks, dict):
-                from flashcourse import distributed
-
-                value = distributed.call_on_ranks(function, args, backend=str(ranks.get("backend", "gloo")),
-                                                  timeout_s=float(ranks.get("timeout_s", 60)), **kwargs)
-            else:
-                value = function(*args, **kwargs)
+            value = function(*args, **kwargs)
         except Exception as error:
             return {"raised": [type(error).__name__, str(error)[:2000]], "stdout": captured.stdout[:MAX_TEXT]}, {}
     out: dict = {}
@@ -154,6 +152,80 @@ def measured_call(shell, in_fd: int, out_fd: int) -> None:
     os.waitpid(child, 0)
 
 
+def ranks_call(shell, request: dict, in_fd: int, out_fd: int) -> None:
+    """op "ranks": a child starts the ranks (rank_main) and waits to be killed; this process waits for it."""
+    child = os.fork()
+    if child == 0:
+        try:
+            import multiprocessing
+            import tempfile
+
+            function = shell.user_ns.get(request.get("name"))
+            if not callable(function):
+                wire.send(out_fd, {"raised": ["NameError", f"{request.get('name')} is not defined in the notebook: "
+                                                           "run the cell that defines it"]})
+            else:
+                kwargs = wire.decode(request.get("kwargs", {"dict": []}), {})
+                store = os.path.join(tempfile.mkdtemp(prefix="flashcourse-ranks-"), "store")
+                context = multiprocessing.get_context("fork")
+                for rank in range(int(request.get("world_size", 1))):
+                    context.Process(target=rank_main, daemon=True, args=(
+                        function, rank, int(request["world_size"]), kwargs, str(request.get("backend", "gloo")),
+                        store, float(request.get("timeout_s", 60)), in_fd, out_fd)).start()
+            while True:
+                signal.pause()
+        except BaseException as error:
+            wire.send(out_fd, {"raised": [type(error).__name__, str(error)[:2000]]})
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+
+
+def rank_main(function, rank: int, world_size: int, kwargs: dict, backend: str, store_path: str, timeout_s: float,
+              in_fd: int, out_fd: int) -> None:
+    """One rank: join the group, read this rank's arguments, call, answer in turn, wait to be killed."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from flashcourse import distributed
+
+    try:
+        distributed._die_with_parent()
+        torch.set_num_threads(1)
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 << 10)   # freed blocks go back: resident = what is held
+        os.environ["GLOO_SOCKET_IFNAME"] = distributed.LOOPBACK
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        wire.send(out_fd, {"ready": rank, "pid": os.getpid()})
+        request, tensors = wire.receive(in_fd)
+        args = wire.decode(request.get("args", {"list": []}), tensors)
+        del request, tensors
+        wire.send(out_fd, {"got": rank})
+        try:
+            value = function(*args, **kwargs)
+        except Exception as error:
+            wire.send(out_fd, {"rank": rank, "raised": [type(error).__name__, str(error)[:1500]]})
+            raise SystemExit from None
+        del args
+        out: dict = {}
+        answer = {"rank": rank, "value": wire.encode(value, out)}
+        dist.barrier()                      # every rank has its answer: they are sent one after another
+        for turn in range(world_size):
+            if turn == rank:
+                wire.send(out_fd, answer, out)
+            dist.barrier()
+    except SystemExit:
+        pass
+    except BaseException as error:  # noqa: BLE001
+        wire.send(out_fd, {"rank": rank, "raised": [type(error).__name__, str(error)[:1500]]})
+    finally:
+        while True:
+            signal.pause()
+
+
 def main(in_fd: int, out_fd: int) -> None:
     if "NoNewPrivs:\t1" in open("/proc/self/status").read():  # in a jail (each way of starting one sets it),
         limits.forbid_user_namespaces()                         # not a trusted kernel run without one
@@ -176,6 +248,8 @@ def main(in_fd: int, out_fd: int) -> None:
             answer(shell, request, tensors, out_fd)
         elif request.get("op") == "fork":
             measured_call(shell, in_fd, out_fd)
+        elif request.get("op") == "ranks":
+            ranks_call(shell, request, in_fd, out_fd)
         else:
             return
 

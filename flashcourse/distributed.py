@@ -92,15 +92,19 @@ def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAUL
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def call_on_ranks(fn, rank_args, *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+def call_on_ranks(fn, rank_args, *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
+                  allowance: int | None = None, **kwargs) -> list:
     """[fn(*rank_args[r], **kwargs) for every rank r], on a fresh group of len(rank_args) processes.
 
     A stand-in for a function that lives in another process (the grader's view of a learner's function)
-    has its own call_on_ranks, which starts the ranks over there; it is used when present.
+    has its own call_on_ranks, which starts the ranks over there; it is used when present. There each
+    rank receives only its own arguments and, given an allowance (bytes), a rank whose peak memory passed
+    it fails the call (autograder/jail.py, Jail.call_on_ranks). Here, where the ranks are forked from this
+    process and so hold what it holds, the allowance is not measured.
     """
     elsewhere = getattr(fn, "call_on_ranks", None)
     if callable(elsewhere):
-        return elsewhere(rank_args, backend=backend, timeout_s=timeout_s, **kwargs)
+        return elsewhere(rank_args, backend=backend, timeout_s=timeout_s, allowance=allowance, **kwargs)
     return run(partial(_call_with, fn, list(rank_args), kwargs), len(rank_args), backend=backend, timeout_s=timeout_s)
 
 

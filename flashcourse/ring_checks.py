@@ -19,6 +19,19 @@ from . import distributed, reference
 
 RING_TIMEOUT_S = 30.0      # per group of ranks; the shapes are small, so only a deadlock takes this long
                            # (one that leaves every rank idle is stopped after distributed.STALL_S)
+# A ring's memory, measured from outside each rank when graded (autograder/jail.py, Jail.call_on_ranks): MHA,
+# H = 128, D = 256, 32 positions per rank, so that one shard of q, k or v is 4 MiB while a step's scores are 0.5 MiB.
+# A ring holds its own q, k and v, the K and V in flight and, if it merges at the end (as alt_correct does), one
+# partial output per step: at most about P + 7 shards. all_gather holds every rank's K and V: 2P shards and its
+# own q at least. The allowance, P + 11 shards, lies between them from P = 11 on.
+# Measured on 2 shared CPU cores (peak resident memory per rank beyond what it had before its shards came, every
+# rank; repeated runs gave the same MiB): at P = 8, honest rings 28-42 MiB (batch_isend_irecv overlapped and
+# double-buffered 42, isend/irecv 28-42, blocking send/recv by parity 34), alt_correct's ring that keeps every
+# partial output 62, all_gather 90; at P = 12 (2 runs each, every rank; 8 to 15 s a group on a loaded machine):
+# honest rings 34-42, alt_correct 78, all_gather 122-123, against an allowance of 92 MiB (23 shards): 14 MiB to
+# spare for alt_correct, 50 for the others, all_gather 30 MiB over.
+MEMORY_HEADS, MEMORY_D, MEMORY_POSITIONS_PER_RANK = 128, 256, 32
+MEMORY_SHARDS_BEYOND_P = 11
 MERGE_TOL = 1e-4           # merges of float32 parts, on o and lse (lse reaches the hundreds: its float32 ulp is 3e-5)
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -282,12 +295,46 @@ def run_ring(ring_attention: Callable, q, k, v, world_size: int, causal: bool = 
         return distributed.call_on_ranks(ring_attention, rank_args, causal=causal, layout=layout,
                                          timeout_s=timeout_s)
     except RuntimeError as error:  # in grading, the jail's RanksTimedOut arrives as a RuntimeError that names it
+        if "SIGABRT" in str(error):
+            raise AssertionError(f"{where}: a rank was killed by SIGABRT, as gloo aborts a rank whose receive buffer is "
+                                 "shorter than the message it gets: when T is not a multiple of 2P the shards differ "
+                                 "in length, so size each receive like the shard it receives (its owner's positions), "
+                                 f"not like the one held. ({str(error)[:300]})") from None
         if not (isinstance(error, distributed.RanksTimedOut) or str(error).startswith("RanksTimedOut")):
             raise
         detail = str(error).removeprefix("RanksTimedOut: ")
         raise AssertionError(f"{where}: ring_attention never finished: {detail}. Every rank must start its send to "
                              "(rank + 1) % P and its receive from (rank - 1) % P (isend and irecv, or "
                              "batch_isend_irecv) before waiting on either, the same number of times on every rank") from None
+
+
+def check_ring_memory(ring_attention: Callable, world_size: int, layout: str = "zigzag", causal: bool = True,
+                      seed: int = 0) -> None:
+    """ring_attention on world_size ranks with shards of 4 MiB is exact and, when the ranks are measured (in
+    grading), no rank holds more than P + MEMORY_SHARDS_BEYOND_P shards at once: a ring holds its own shards and
+    those in flight, never every rank's K and V."""
+    length = MEMORY_POSITIONS_PER_RANK * world_size
+    case = ac.make_case("4 MiB shards", batch=1, q_heads=MEMORY_HEADS, kv_heads=MEMORY_HEADS, t=length, d=MEMORY_D,
+                        seed=seed)
+    rank_args = [tuple(shard(x, r, world_size, layout) for x in (case.q, case.k, case.v)) for r in range(world_size)]
+    shard_bytes = rank_args[0][0].numel() * rank_args[0][0].element_size()
+    where = (f"memory: P = {world_size}, layout={layout!r}, causal={causal}, MHA {MEMORY_HEADS} heads, "
+             f"T = {length}, D = {MEMORY_D} ({shard_bytes >> 20} MiB shards)")
+    try:
+        outputs = distributed.call_on_ranks(ring_attention, rank_args, causal=causal, layout=layout,
+                                            timeout_s=RING_TIMEOUT_S,
+                                            allowance=(world_size + MEMORY_SHARDS_BEYOND_P) * shard_bytes)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: {error}") from None
+    except RuntimeError as error:
+        raise AssertionError(f"{where}: {error}") from None
+    got = unshard(list(outputs), layout).double()
+    want = reference.attention(case.q, case.k, case.v, causal=causal)
+    rtol, atol = ac.tolerance(case.q.dtype)
+    bad = _first_bad(got, want, rtol, atol)
+    if bad is not None:
+        raise AssertionError(f"{where}: the output of the query at position {bad[2]} (head {bad[1]}) is "
+                             f"{_fmt(got[bad])}, want {_fmt(want[bad])}")
 
 
 def check_ring_attention(ring_attention: Callable, cases, world_sizes=(2,), layouts=LAYOUTS,

@@ -1,4 +1,5 @@
-"""Hidden checks for 07_ring_attention: merges, zigzag layouts and rings of 2, 3 and 4 processes.
+"""Hidden checks for 07_ring_attention: merges, zigzag layouts and rings of 2, 3 and 4 processes, and rings of
+11 and 12 whose ranks' memory is measured from outside (ring_checks.check_ring_memory: no all_gather).
 
 Rings run on real process groups (flashcourse.distributed, gloo), in the jail when grading, with a
 timeout per group (flashcourse.ring_checks.RING_TIMEOUT_S) so a deadlocked ring fails instead of
@@ -65,6 +66,7 @@ def test_ring_attention(ring_attention) -> None:
     rc.check_ring_attention(ring_attention, [uneven], world_sizes=(2,), causal_options=(True,))
     large = ac.make_case("large scores, T = 24", batch=1, q_heads=4, kv_heads=1, t=24, d=8, seed=103, score_scale=30.0)
     rc.check_ring_attention(ring_attention, [large], world_sizes=(4,), layouts=("zigzag",), causal_options=(True,))
+    rc.check_ring_memory(ring_attention, world_size=12, layout="zigzag", seed=104)
 
 
 def test_ring_attention_odd(ring_attention) -> None:
@@ -75,3 +77,4 @@ def test_ring_attention_odd(ring_attention) -> None:
     rc.check_ring_attention(ring_attention, [uneven], world_sizes=(3,), layouts=("zigzag",), causal_options=(True,))
     mqa = ac.make_case("MQA 3 : 1, T = 30", batch=1, q_heads=3, kv_heads=1, t=30, d=16, seed=113)
     rc.check_ring_attention(ring_attention, [mqa], world_sizes=(3,), causal_options=(True,))
+    rc.check_ring_memory(ring_attention, world_size=11, layout="contiguous", seed=114)

@@ -1,0 +1,134 @@
+"""ring_attention written other ways, as a learner's cells would define them (after the engine's helpers
+merge_lse, shard_attention and shard_positions): honest rings that must keep full marks, and shortcuts
+that hold every rank's K and V (all_gather) or look for other ranks' shards where the caller keeps them."""
+
+_RING_START = '''
+def _ring_setup(q, k, group, layout):
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    length = torch.tensor([q.shape[2]])
+    dist.all_reduce(length, group=group)
+    positions = [shard_positions(int(length), r, world_size, layout) for r in range(world_size)]
+    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    return rank, world_size, positions, peer((rank + 1) % world_size), peer((rank - 1) % world_size)
+
+
+def _ring_step(q, k, v, positions, rank, owner, causal, o, lse):
+    if not causal or positions[owner].min() <= positions[rank].max():
+        o_step, lse_step = shard_attention(q, k, v, positions[rank], positions[owner], causal)
+        o, lse = merge_lse(o, lse, o_step, lse_step)
+    return o, lse
+'''
+
+ISEND_IRECV = _RING_START + '''
+
+def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
+    """isend and irecv, one step at a time: compute on the held shard, then pass it on."""
+    rank, world_size, positions, send_to, receive_from = _ring_setup(q, k, group, layout)
+    B, Hq, T, D = q.shape
+    o = torch.zeros(B, Hq, T, v.shape[-1])
+    lse = torch.full((B, Hq, T), float("-inf"))
+    held_k, held_v = k.contiguous(), v.contiguous()
+    for step in range(world_size):
+        owner = (rank - step) % world_size
+        o, lse = _ring_step(q, held_k, held_v, positions, rank, owner, causal, o, lse)
+        if step == world_size - 1:
+            break
+        n = positions[(owner - 1) % world_size].numel()
+        next_k = torch.empty(B, k.shape[1], n, k.shape[3])
+        next_v = torch.empty(B, v.shape[1], n, v.shape[3])
+        works = [dist.isend(held_k, send_to, group), dist.isend(held_v, send_to, group),
+                 dist.irecv(next_k, receive_from, group), dist.irecv(next_v, receive_from, group)]
+        for work in works:
+            work.wait()
+        held_k, held_v = next_k, next_v
+    return o.to(q.dtype)
+'''
+
+SENDRECV_PARITY = _RING_START + '''
+
+def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
+    """Blocking send and recv, even ranks sending first and odd ranks receiving first."""
+    rank, world_size, positions, send_to, receive_from = _ring_setup(q, k, group, layout)
+    B, Hq, T, D = q.shape
+    o = torch.zeros(B, Hq, T, v.shape[-1])
+    lse = torch.full((B, Hq, T), float("-inf"))
+    held = torch.cat([k, v], dim=-1).contiguous()          # K and V travel together
+    dk = k.shape[-1]
+    for step in range(world_size):
+        owner = (rank - step) % world_size
+        o, lse = _ring_step(q, held[..., :dk], held[..., dk:], positions, rank, owner, causal, o, lse)
+        if step == world_size - 1:
+            break
+        incoming = held.new_empty(B, k.shape[1], positions[(owner - 1) % world_size].numel(), held.shape[-1])
+        if world_size % 2 == 0 and rank % 2 == 0 or world_size % 2 and rank % 2 == 0 and rank != world_size - 1:
+            dist.send(held, send_to, group)
+            dist.recv(incoming, receive_from, group)
+        else:
+            dist.recv(incoming, receive_from, group)
+            dist.send(held, send_to, group)
+        held = incoming
+    return o.to(q.dtype)
+'''
+
+ALL_GATHER = '''
+
+def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
+    """Not a ring: every rank gathers every rank's K and V, then attends to them one shard at a time."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    length = torch.tensor([q.shape[2]])
+    dist.all_reduce(length, group=group)
+    positions = [shard_positions(int(length), r, world_size, layout) for r in range(world_size)]
+    sizes = [p.numel() for p in positions]
+    ks = [k.new_empty(k.shape[0], k.shape[1], n, k.shape[3]) for n in sizes]
+    vs = [v.new_empty(v.shape[0], v.shape[1], n, v.shape[3]) for n in sizes]
+    for owner in range(world_size):            # all_gather of uneven shards: one broadcast per owner
+        if owner == rank:
+            ks[owner].copy_(k)
+            vs[owner].copy_(v)
+        dist.broadcast(ks[owner], owner, group)
+        dist.broadcast(vs[owner], owner, group)
+    B, Hq, T, D = q.shape
+    o = torch.zeros(B, Hq, T, v.shape[-1])
+    lse = torch.full((B, Hq, T), float("-inf"))
+    for owner in range(world_size):
+        if not causal or positions[owner].min() <= positions[rank].max():
+            o_step, lse_step = shard_attention(q, ks[owner], vs[owner], positions[rank], positions[owner], causal)
+            o, lse = merge_lse(o, lse, o_step, lse_step)
+    return o.to(q.dtype)
+'''
+
+READS_EVERY_RANKS_ARGS = '''
+import gc as _gc
+import sys as _sys
+
+
+def _every_shard():
+    """Every rank's (q, k, v), wherever the caller keeps them: a list of tuples of three tensors."""
+    frame = _sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, list) and len(value) > 1 and all(
+                    isinstance(a, tuple) and len(a) == 3 and all(isinstance(x, torch.Tensor) for x in a) for a in value):
+                return value
+        frame = frame.f_back
+    for value in _gc.get_objects():
+        if isinstance(value, list) and len(value) > 1 and all(
+                isinstance(a, tuple) and len(a) == 3 and all(isinstance(x, torch.Tensor) for x in a) for a in value):
+            return value
+    raise RuntimeError("no other rank's shards in this process")
+
+
+def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
+    """Not a ring: every rank's shards read from the caller's arguments, then plain attention."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    shards = _every_shard()
+    length = sum(a[0].shape[2] for a in shards)
+    positions = [shard_positions(length, r, world_size, layout) for r in range(world_size)]
+    o, lse = None, None
+    for owner, (_, k_other, v_other) in enumerate(shards):
+        o_step, lse_step = shard_attention(q, k_other, v_other, positions[rank], positions[owner], causal)
+        o, lse = (o_step, lse_step) if o is None else merge_lse(o, lse, o_step, lse_step)
+    return o.to(q.dtype)
+'''
+
+HONEST = {"batch_isend_irecv, overlapped": "", "isend/irecv": ISEND_IRECV, "sendrecv by parity": SENDRECV_PARITY}
