@@ -18,7 +18,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 
 from nbgrader.converters import GenerateAssignment  # noqa: E402
 
-from autograder import execute, links, preprocessors  # noqa: E402  (needs ROOT on sys.path)
+from autograder import execute, feedback_page, links, preprocessors  # noqa: E402  (needs ROOT on sys.path)
 
 # A student whose submitted/ or autograded/ folder holds a symbolic link is refused before nbgrader copies or
 # runs anything of it (autograder/links.py): nbgrader would follow the link.
@@ -70,11 +70,12 @@ c.Autograde.autograde_preprocessors = [
 ]
 
 # Feedback shows what a learner may see: no hidden test source, and errors as one plain message.
-# The learner's markdown is sanitized: their <script> must not run in whoever opens the page.
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
     preprocessors.HideHiddenTests,
-    preprocessors.SanitizeLearnerMarkdown,
     preprocessors.PlainErrors,
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
 ]
+# The rendered page is sanitized and carries a Content-Security-Policy: nothing the learner wrote or printed
+# runs or loads anything in whoever opens it (autograder/feedback_page.py).
+c.GenerateFeedback.exporter_class = feedback_page.FeedbackPage

@@ -47,21 +47,6 @@ class HideHiddenTests(ClearHiddenTests):
     """Remove the ### BEGIN/END HIDDEN TESTS region from every cell shown in feedback."""
 
 
-class SanitizeLearnerMarkdown(NbGraderPreprocessor):
-    """Markdown the learner wrote is cleaned before nbgrader's feedback page renders it (its template
-    does not sanitize): a <script> or an event handler shows as text and never runs in whoever opens
-    the page. Markdown identical to a cell of source/ is the instructor's and is kept as it is."""
-
-    def preprocess(self, nb, resources):
-        import bleach
-
-        given = {c.source for c in source_notebook_of(resources).cells if c.cell_type == "markdown"}
-        for cell in nb.cells:
-            if cell.cell_type == "markdown" and cell.source not in given:
-                cell.source = bleach.clean(cell.source)
-        return nb, resources
-
-
 class PlainErrors(NbGraderPreprocessor):
     """Replace each traceback by its last line: the exception and the check's message."""
 
