@@ -18,6 +18,7 @@ wrong is kept as anomalies, which the batch grader puts in its summary.
 
 from __future__ import annotations
 
+import ast
 import base64
 import binascii
 import io
@@ -30,7 +31,7 @@ import nbformat
 from nbgrader.preprocessors import NbGraderPreprocessor
 from traitlets import Bool, Integer
 
-from . import jail, launches, wire
+from . import jail, kernel_world, launches, wire
 from .preprocessors import graded_names, is_test_cell, source_notebook_of
 
 ANOMALIES_ENV = "FLASHCOURSE_ANOMALIES"  # a file the batch grader reads the anomalies from
@@ -258,11 +259,14 @@ class Remote:
         kernel = self.session.kernel_now()
         return self.session.call(self.name, args, kwargs, address_space=kernel.start_size + allowance)
 
-    def call_on_ranks(self, rank_args, *, backend: str = "gloo", timeout_s: float = 60.0, **kwargs):
+    def call_on_ranks(self, rank_args, *, backend: str = "gloo", timeout_s: float = 60.0, allowance: int | None = None,
+                      **kwargs):
         """flashcourse.distributed.call_on_ranks for the learner's function: the process group is started in
-        the jail, rank r calls it with rank_args[r] and **kwargs; the ranks' answers, in rank order."""
+        the jail, rank r calls it with rank_args[r] (and only rank r receives them) and **kwargs; the ranks'
+        answers, in rank order. With an allowance (bytes), each rank's peak memory is measured from outside
+        (jail.Jail.call_on_ranks) and a rank that held more fails the call."""
         return self.session.call(self.name, tuple(tuple(a) for a in rank_args), kwargs,
-                                 ranks={"backend": backend, "timeout_s": timeout_s})
+                                 ranks={"backend": backend, "timeout_s": timeout_s, "allowance": allowance})
 
 
 class Refused:
@@ -294,7 +298,8 @@ class JailedExecute(NbGraderPreprocessor):
         learner_code = [c.source for c in nb.cells if c.cell_type == "code"
                         and c.metadata.get("nbgrader", {}).get("grade_id") not in tests]
         solution_code = [c.source for c in source.cells if c.cell_type == "code" and not is_test_cell(c)]
-        refused = launches.missing_launches(learner_code, launches.launching_functions(solution_code) & set(names))
+        launchers = launches.launching_functions(solution_code) & set(names)
+        refused = launches.missing_launches(learner_code, launchers)
         no_jail = jail.why_no_jail()
         if no_jail and not self.trusted:
             raise jail.NoJail(f"refusing to run this notebook without a jail: {no_jail}")
@@ -302,6 +307,8 @@ class JailedExecute(NbGraderPreprocessor):
         if no_jail:
             session.anomalies.append(f"graded WITHOUT a jail (trusted notebook): {no_jail.split('. ')[0]}")
         stand_ins = {n: Refused(n, refused[n]) if n in refused else Remote(n, session) for n in names}
+        kernel_run = KernelRun(kernel_world.build(learner_code, source, launchers), session) if launchers else None
+        self.given = kernel_world.given_definitions(source, names)
         demos = {c.get("id"): c.source for c in source.cells if c.cell_type == "code" and DEMO in c.metadata.get("tags", [])}
         try:
             for index, cell in enumerate(nb.cells):
@@ -310,7 +317,7 @@ class JailedExecute(NbGraderPreprocessor):
                 grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
                 if grade_id in tests:
                     cell.source = tests.pop(grade_id)
-                    cell.outputs = self._run_test(grade_id, cell.source, stand_ins, session)
+                    cell.outputs = self._run_test(grade_id, cell.source, stand_ins, session, kernel_run)
                 elif cell.get("id") in demos and cell.source == demos[cell.get("id")]:
                     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=NOT_RUN)]
                 else:
@@ -318,6 +325,8 @@ class JailedExecute(NbGraderPreprocessor):
                 cell.execution_count = None
         finally:
             session.close()
+            if kernel_run is not None:
+                session.anomalies.extend(kernel_run.close())
         for anomaly in session.anomalies:
             self.log.warning("%s", anomaly)
         if os.environ.get(ANOMALIES_ENV):
@@ -325,16 +334,112 @@ class JailedExecute(NbGraderPreprocessor):
                 f.writelines(f"{a}\n" for a in session.anomalies)
         return nb, resources
 
-    def _run_test(self, grade_id: str, source: str, stand_ins: dict, session: Session) -> list:
+    def _run_test(self, grade_id: str, source: str, stand_ins: dict, session: Session,
+                  kernel_run: KernelRun | None) -> list:
+        """The instructor's test cell, run here; what the hidden part of it prints stays out of the feedback.
+        Where it calls a wrapper that launches the learner's kernels, it runs a second time with the
+        grader's own wrapper launching those kernels (KernelRun), and passes only if both runs pass."""
+        if self.given:  # the given helpers the test calls are the instructor's, not the notebook's copy
+            session.run_cell(self.given, "the given helpers")
         printed = io.StringIO()
-        session.deadline = time.monotonic() + self.timeout
-        reset_randomness()
-        error = None
-        with redirect_stdout(printed), redirect_stderr(printed):
-            try:
-                exec(compile(source, f"<test cell {grade_id}>", "exec"), {"__name__": "__grader__", **stand_ins})
-            except Exception as failure:
-                error = _error(type(failure).__name__, str(failure))
+        error = self._exec_test(grade_id, source, stand_ins, [session], printed)
+        used = _loaded_names(source) & set(kernel_run.stand_ins) if kernel_run else set()
+        if error is None and used:
+            error = self._exec_test(grade_id, source, {**stand_ins, **kernel_run.stand_ins},
+                                    [session, kernel_run.session], io.StringIO())
+            if error is not None:
+                error = _error(error.ename, f"your kernels, launched by the grader's own {', '.join(sorted(used))} "
+                                            f"(the launch code given in the notebook) on the same inputs: "
+                                            f"{error.evalue}")
         text = printed.getvalue()[:MAX_TEXT]
         return [*([nbformat.v4.new_output("stream", name="stdout", text=text)] if text else []),
                 *([error] if error else [])]
+
+    def _exec_test(self, grade_id: str, source: str, stand_ins: dict, sessions: list[Session],
+                   printed: io.StringIO):
+        """Run the test cell's parts in order, the visible ones printing into `printed`; the error output, or None."""
+        for each in sessions:
+            each.deadline = time.monotonic() + self.timeout
+        reset_randomness()
+        namespace = {"__name__": "__grader__", **stand_ins}
+        for part, visible in _test_parts(source):
+            with redirect_stdout(printed if visible else io.StringIO()), \
+                    redirect_stderr(printed if visible else io.StringIO()):
+                try:
+                    exec(compile(part, f"<test cell {grade_id}>", "exec"), namespace)
+                except Exception as failure:
+                    return _error(type(failure).__name__, str(failure))
+        return None
+
+
+HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+
+
+def _test_parts(source: str) -> list[tuple[str, bool]]:
+    """The test cell cut at its hidden-test markers: (code, visible) in order. Each part keeps its line
+    numbers; a cell whose parts do not compile on their own is one hidden part."""
+    parts, lines, visible, start = [], source.splitlines(keepends=True), True, 0
+    for number, line in enumerate(lines):
+        marker = line.strip()
+        if marker in (HIDDEN_BEGIN, HIDDEN_END) and marker == (HIDDEN_BEGIN if visible else HIDDEN_END):
+            parts.append(("\n" * start + "".join(lines[start:number]), visible))
+            visible, start = not visible, number + 1
+    parts.append(("\n" * start + "".join(lines[start:]), visible))
+    try:
+        for part, _ in parts:
+            compile(part, "<test cell>", "exec")
+    except SyntaxError:
+        return [(source, len(parts) == 1)]
+    return parts
+
+
+def _loaded_names(source: str) -> set[str]:
+    try:
+        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    except SyntaxError:
+        return set()
+
+
+class KernelRun:
+    """The learner's kernels launched by the instructor's wrappers, in a jail of their own
+    (autograder/kernel_world.py): a stand-in per wrapper, set up on the first call."""
+
+    def __init__(self, world: kernel_world.KernelWorld, notebook: Session):
+        self.world = world
+        self.session = Session(jailed=notebook.jailed, cell_timeout=notebook.cell_timeout,
+                               max_restarts=notebook.max_restarts)
+        self.failed: str | None = None
+        self.stand_ins = {}
+        for name in world.wrappers:
+            if name in world.missing:
+                self.stand_ins[name] = Refused(name, world.missing[name])
+            else:
+                self.stand_ins[name] = _SetUpFirst(name, self)
+
+    def set_up(self) -> None:
+        """Run the kernel world's program once; AssertionError, saying why, if it cannot be set up."""
+        if not self.session.completed and self.failed is None:
+            outputs = self.session.run_cell(self.world.program, "the kernel run's set-up")
+            errors = [o for o in outputs if o.output_type == "error"]
+            if errors:
+                self.failed = f"{errors[0].ename}: {errors[0].evalue}"
+        if self.failed is not None:
+            raise AssertionError(f"your kernels could not be set up to run on their own: {self.failed}")
+
+
+    def close(self) -> list[str]:
+        """Stop the kernel run's jail (its compiler process with it); what went wrong there, for the summary."""
+        if self.session.kernel is not None:
+            self.session.kernel.close()
+            self.session.kernel = None
+        return [f"the kernel run: {anomaly}" for anomaly in self.session.anomalies]
+
+
+class _SetUpFirst(Remote):
+    def __init__(self, name: str, run: KernelRun):
+        super().__init__(name, run.session)
+        self.run = run
+
+    def __call__(self, *args, **kwargs):
+        self.run.set_up()
+        return super().__call__(*args, **kwargs)
