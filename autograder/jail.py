@@ -505,7 +505,10 @@ class Jail:
         return self.log.read().decode(errors="replace").strip() or "no message"
 
     def ask(self, request: dict, tensors: dict | None, deadline: float) -> tuple[dict, dict]:
-        """Send one request and wait for its answer; wire.TimedOut, Closed or Malformed otherwise."""
+        """Send one request and wait for its answer; wire.TimedOut, Closed or Malformed otherwise. A call
+        with "ranks" runs on a process group whose ranks each receive only their own arguments (call_on_ranks)."""
+        if request.get("op") == "call" and isinstance(request.get("ranks"), dict):
+            return self.call_on_ranks(request, tensors or {}, deadline)
         try:
             wire.send(self.writer, request, tensors)
         except (BrokenPipeError, OSError):
@@ -644,6 +647,138 @@ class Jail:
             self.log.close()
             self.log = None
         shutil.rmtree(self.folder, ignore_errors=True)
+    def call_on_ranks(self, request: dict, tensors: dict, deadline: float) -> tuple[dict, dict]:
+        """The learner's function on every rank of a process group started in the jail, each rank fed only its
+        own arguments and measured from outside: the answer {"value": [rank 0's, ...]} or {"raised": [...]}.
+
+        Every other process of the jail is stopped. The runner forks a child that starts the ranks (runner.py,
+        ranks_call); once all have joined the group, they are stopped too and may start no process or
+        thread. Then each rank in turn runs alone while its arguments are written to the jail's pipe, so
+        only it can read them: no process of the jail ever holds another rank's shards, unless a rank sends
+        them. The ranks then run together and answer one after another, and each one's peak resident memory
+        (files' pages aside) since its arguments came is read before it is killed: with ranks["allowance"]
+        (bytes), a rank that held more fails the call with an AssertionError that says so.
+        """
+        ranks = request["ranks"]
+        rank_args = wire.decode(request.get("args", {"list": []}), tensors)
+        kwargs = wire.decode(request.get("kwargs", {"dict": []}), tensors)
+        world_size = len(rank_args)
+        timeout_s = float(ranks.get("timeout_s", 60))
+        allowance = ranks.get("allowance")
+        deadline = min(deadline, time.monotonic() + timeout_s + START_TIMEOUT_S)
+        stopped: set[int] = set()
+        group: set[int] = set()
+        try:
+            self._stop_others(stopped)
+            kw_tensors: dict = {}
+            wire.send(self.writer, {"op": "ranks", "name": request.get("name"), "world_size": world_size,
+                                    "backend": str(ranks.get("backend", "gloo")), "timeout_s": timeout_s,
+                                    "kwargs": wire.encode(kwargs, kw_tensors)}, kw_tensors)
+            if kw_tensors:
+                return {"raised": ["TypeError", "keyword arguments of a call on ranks cannot be tensors"]}, {}
+            pids: dict[int, int] = {}   # rank -> pid, as this machine sees it
+            while len(pids) < world_size:
+                document, _ = wire.receive(self.reader, deadline)
+                if "ready" not in document:   # the function is missing, or a rank failed to join
+                    return _rank_failure(document, world_size), {}
+                pid = _host_pid(self.pid, document.get("pid"))
+                if document["ready"] not in range(world_size) or document["ready"] in pids or pid is None:
+                    raise MeasurementRefused("the ranks did not say who they are as the protocol says")
+                pids[document["ready"]] = pid
+            _signal_and_wait({self.pid}, signal.SIGSTOP)
+            stopped.add(self.pid)
+            group = set(self.others()) - stopped
+            _signal_and_wait(group, signal.SIGSTOP)
+            group |= set(self.others()) - stopped
+            if len(group) != world_size + 1 or not set(pids.values()) < group:
+                raise MeasurementRefused(f"the kernel started {len(group)} processes for {world_size} ranks, "
+                                         f"want {world_size + 1} (one that starts them, and the ranks)")
+            start = {}
+            for pid in group:
+                _lower_limits(pid, _address_space_limit(pid), processes=0)
+            for rank in range(world_size):
+                pid = pids[rank]
+                _reset_peak(pid)
+                start[rank] = _writable_resident(pid)
+                there = partial(_running, pid)
+                os.kill(pid, signal.SIGCONT)
+                encoded: dict = {}
+                wire.send(self.writer, {"args": wire.encode(list(rank_args[rank]), encoded)}, encoded, deadline, there)
+                if wire.receive(self.reader, deadline, there)[0] != {"got": rank} or _unread(self.writer):
+                    raise MeasurementRefused(f"rank {rank} did not take its arguments as the protocol says")
+                _signal_and_wait({pid}, signal.SIGSTOP)
+            for pid in pids.values():      # the process that started them stays stopped
+
+                os.kill(pid, signal.SIGCONT)
+            answer = self._rank_answers(pids, timeout_s, deadline)
+            if "value" in answer and allowance is not None:
+                held = {rank: _status_bytes(pid, "VmHWM") - _status_bytes(pid, "RssFile") - start[rank]
+                        for rank, pid in pids.items()}
+                for rank, pid in pids.items():
+                    if not _running(pid) or held[rank] <= 0:
+                        return {"raised": ["AssertionError", f"rank {rank} of {world_size} ended before its memory "
+                                                             "could be read"]}, {}
+                most = max(held, key=held.get)
+                if held[most] > int(allowance):
+                    return {"raised": ["AssertionError", RING_HELD.format(
+                        rank=most, world_size=world_size, held=held[most] / 2**20, allowance=int(allowance) / 2**20,
+                        every=", ".join(f"{held[r] / 2**20:.0f}" for r in sorted(held)))]}, {}
+            out: dict = {}
+            if "value" in answer:
+                answer = {"value": wire.encode(answer["value"], out)}
+            return answer, out
+        except MeasurementRefused as refused:
+            return {"raised": ["AssertionError", str(refused)]}, {}
+        finally:
+            _signal_and_wait(set(self.others()) - stopped, signal.SIGKILL)
+            _drain(self.reader)
+            for pid in stopped:
+                with _gone_is_fine():
+                    os.kill(pid, signal.SIGCONT)
+            if _unread(self.writer):   # a rank left part of its arguments in the pipe: the runner cannot read on
+                raise wire.Malformed("a rank did not read all of its arguments")
+
+    def _rank_answers(self, pids: dict[int, int], timeout_s: float, deadline: float) -> dict:
+        """{"value": [each rank's value]}, or {"raised": [...]} for the rank that failed first, a rank that died,
+        a deadline passed or a stall (flashcourse.distributed's rules)."""
+        from flashcourse import distributed
+
+        world_size = len(pids)
+        values: dict[int, object] = {}
+        end = min(deadline, time.monotonic() + timeout_s)
+        stall = distributed._Stall(distributed.STALL_S)
+        while len(values) < world_size:
+            now = time.monotonic()
+            if now >= end:
+                left = sorted(set(range(world_size)) - set(values))
+                return {"raised": ["RanksTimedOut", f"rank(s) {left} of {world_size} did not finish within "
+                                                    f"{timeout_s:g} s and were killed: {distributed._DEADLOCK}"]}
+            if select.select([self.reader], [], [], min(0.2, end - now))[0]:
+                try:
+                    document, tensors = wire.receive(self.reader, end, partial(_any_running, list(pids.values())))
+                except (wire.Closed, wire.TimedOut):
+                    continue
+                rank = document.get("rank")
+                if rank not in range(world_size) or rank in values:
+                    return {"raised": ["RuntimeError", "the ranks answered out of protocol"]}
+                if "raised" in document:
+                    return _rank_failure(document, world_size)
+                try:
+                    values[rank] = wire.decode(document.get("value"), tensors, device_ok=_cuda_ok)
+                except (wire.Malformed, wire.Unsendable) as error:
+                    return {"raised": ["RuntimeError", f"rank {rank}'s answer could not be read: {error}"]}
+                continue
+            for rank, pid in pids.items():
+                if rank not in values and not _running(pid):
+                    return {"raised": ["RuntimeError", f"on rank {rank} of {world_size}: died without an answer "
+                                                       f"({distributed._exit_text(_exit_code(pid))})"]}
+            stuck = [pid for rank, pid in sorted(pids.items()) if rank not in values]
+            if stall.seen(stuck):
+                left = sorted(set(range(world_size)) - set(values))
+                return {"raised": ["RanksTimedOut", f"rank(s) {left} of {world_size} all waited {stall.stall_s:g} s "
+                                                    f"without using the CPU and were killed: {distributed._DEADLOCK}"]}
+        return {"value": [values[rank] for rank in range(world_size)]}
+
         return len(others)
 
 
@@ -682,3 +817,91 @@ def _gone_is_fine():
         yield
     except (ProcessLookupError, PermissionError, OSError):
         pass
+RING_HELD = ("rank {rank} of {world_size} held {held:.0f} MiB at its peak (the ranks: {every} MiB), more than a ring "
+             "needs: the check allows "
+             "{allowance:.0f} MiB, room for the rank's own shards, two more of K and V in flight and the work of one "
+             "step, never every rank's K and V at once (as all_gather or reading other ranks' shards would)")
+
+
+def _rank_failure(document: dict, world_size: int) -> dict:
+    """{"raised": [kind, "on rank r of P: message"]} from a rank's (or the starter's) failure message."""
+    raised = document.get("raised")
+    if not (isinstance(raised, list) and len(raised) == 2 and all(isinstance(x, str) for x in raised)):
+        return {"raised": ["RuntimeError", "the ranks answered out of protocol"]}
+    rank = document.get("rank")
+    where = f"on rank {rank} of {world_size}: " if rank in range(world_size) else ""
+    return {"raised": [raised[0][:100], where + raised[1][:2000]]}
+
+
+def _host_pid(jail_pid: int, inner) -> int | None:
+    """The pid this machine gives the process of the jail whose own pid (in the jail's namespace) is `inner`."""
+    if not isinstance(inner, int):
+        return None
+    for pid in descendants(jail_pid):
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("NSpid:") and int(line.split()[-1]) == inner:
+                    return pid
+        except (OSError, ValueError):
+            pass
+    return None
+
+
+def _address_space_limit(pid: int) -> int:
+    """pid's hard limit on its address space, from /proc (prlimit(2) may not read another uid's)."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max address space"):
+            hard = line.split()[4]
+            return resource.RLIM_INFINITY if hard == "unlimited" else int(hard)
+    raise MeasurementRefused("the limits of a rank could not be read")
+
+
+def _reset_peak(pid: int) -> None:
+    """Make the kernel's peak of pid's resident memory (VmHWM) its resident memory now."""
+    with open(f"/proc/{pid}/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def _running(pid: int) -> bool:
+    return _state(pid) not in ("", "Z", "X")
+
+
+def _any_running(pids: list[int]) -> bool:
+    return any(_running(pid) for pid in pids)
+
+
+def _exit_code(pid: int) -> int | None:
+    """How a process that has ended and not been reaped ended, as multiprocessing says it (-signal or code)."""
+    try:
+        status = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[49])
+    except (OSError, IndexError, ValueError):
+        return None
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def _unread(fd: int) -> int:
+    """Bytes written to a pipe and not read yet."""
+    import fcntl
+    import termios
+
+    size = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, size)
+    return int.from_bytes(size, sys.byteorder)
+
+
+def _drain(fd: int) -> None:
+    """Read and drop whatever is waiting in a pipe, without waiting."""
+    while select.select([fd], [], [], 0)[0]:
+        try:
+            if not os.read(fd, 1 << 20):
+                return
+        except OSError:
+            return
+
+
+def _cuda_ok(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") and torch.cuda.is_available()
+
+

@@ -160,3 +160,42 @@ def test_auto_grades_only_the_kernel_assignments_on_a_gpu(monkeypatch):
     assert grade.device_for("05_fast_kernel") == {}
     monkeypatch.setenv(DEVICE_ENV, "cuda")
     assert grade.device_for("03_online_attention") == {}
+import ring_variants  # noqa: E402  (tests/ is on the path, as conftest is)
+
+RING = "07_ring_attention"
+RING_CELLS = ("test_ring_attention", "test_ring_attention_odd")
+RING_CASES = {  # student -> (notebook, expected points): 07's ring points need a ring, measured per rank
+    "ring_all_gather": (_replacing(RING, "ring_attention", ring_variants.ALL_GATHER), _without(RING, *RING_CELLS)),
+    "ring_reads_every_ranks_args": (_replacing(RING, "ring_attention", ring_variants.READS_EVERY_RANKS_ARGS),
+                                    _without(RING, *RING_CELLS)),
+    "ring_isend_irecv": (_replacing(RING, "ring_attention", ring_variants.ISEND_IRECV), EXPECTED[RING]["alt_correct"]),
+    "ring_sendrecv_parity": (_replacing(RING, "ring_attention", ring_variants.SENDRECV_PARITY),
+                             EXPECTED[RING]["alt_correct"]),
+}
+
+
+@pytest.fixture(scope="module")
+def graded_rings(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rings")
+    for student, (nb, _) in RING_CASES.items():
+        folder = root / "submitted" / student / RING
+        folder.mkdir(parents=True)
+        (folder / f"{RING}.ipynb").write_text(json.dumps(nb))
+    return {o.student: o for o in grade.grade(root / "submitted", root / "out", jobs=2, progress=False)}, root / "out"
+
+
+@pytest.mark.parametrize("student", RING_CASES)
+def test_ring_points_need_a_ring(graded_rings, student):
+    """all_gather, or reading other ranks' shards, loses the ring cells; rings written other ways keep them."""
+    outcomes, _ = graded_rings
+    got = {s.question: s.points for s in outcomes[student].scores if s.kind == "auto"}
+    assert got == RING_CASES[student][1], (got, outcomes[student].problem, outcomes[student].anomalies)
+
+
+def test_the_ring_feedback_says_why(graded_rings):
+    """all_gather's feedback says a rank held more than a ring needs."""
+    _, out = graded_rings
+    page = next((out / "feedback" / "ring_all_gather").rglob("*.html")).read_text()
+    assert "more than a ring" in page and "needs" in page
+
+
