@@ -11,7 +11,7 @@ Each request on CONTROL_FD, a SOCK_SEQPACKET socket, is one message of JSON {"ui
 The kernel it forks, before anything of the notebook runs:
 - enters new mount, PID, network, IPC, UTS and cgroup namespaces, so it is pid 1 of a PID
   namespace of its own and ends every process it started when it ends; it mounts its own /proc
-  (with /proc/sys and the like read-only), a private /tmp of limited size and its own /dev/pts,
+  (with /proc/sys and the like read-only), a private /tmp and /dev/shm of limited size and its own /dev/pts,
   and brings up its own loopback interface, the only one it has;
 - sets its resource limits, drops every capability (the bounding set too), becomes `uid`, a uid no
   other kernel has, with no supplementary groups, and sets no_new_privs; it dies with its parent;
@@ -107,6 +107,8 @@ def _become_kernel(request: dict, in_fd: int, out_fd: int, log_fd: int) -> None:
                 _mount(path, path, None, MS_BIND | MS_REC)
                 _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
         _private_tmp(int(request["limits"]["tmp_bytes"]))
+        # and a /dev/shm of its own, of the same size: the template's is one folder every kernel would share
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(request['limits']['tmp_bytes'])},mode=1777")
         _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
         if not request.get("gpu"):  # graded on the CPU: the template's GPUs leave this kernel's world
             for device in glob.glob("/dev/nvidia*"):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from flashcourse import DEVICE_ENV
 
-from . import ROOT, jail, warm
+from . import ROOT, cgroups, jail, warm
 from .build import assignments as known_assignments
 from .execute import ANOMALIES_ENV
 
@@ -281,6 +281,12 @@ def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
     no_jail = None if remote else jail.why_no_jail()
     if no_jail and not trusted:
         raise jail.NoJail(f"learners' notebooks are only run in a jail, and none can be built here: {no_jail}")
+    apart = None
+    if not remote and not no_jail:
+        cgroups.export()  # found once here, for the grading processes to come
+        shared = jail.isolation()
+        if shared:  # one notebook at a time: no jail can then crowd out another
+            jobs, apart = 1, f"jails cannot be kept apart here ({shared}): notebooks were graded one at a time"
     submissions, out = submissions.resolve(), out.resolve()
     for kind in ("autograded", "feedback"):
         shutil.rmtree(out / kind, ignore_errors=True)
@@ -306,7 +312,7 @@ def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
             bar.update()
     outcomes.sort(key=lambda o: (o.assignment, o.student))
     write_csv(outcomes, out / "grades.csv")
-    (out / "summary.txt").write_text(summary(outcomes, "; ".join(sorted(unjailed)) or None))
+    (out / "summary.txt").write_text(summary(outcomes, "; ".join(sorted(unjailed)) or None, apart))
     return outcomes
 
 
@@ -333,13 +339,16 @@ def write_csv(outcomes: list[Outcome], path: Path) -> None:
             writer.writerow([s.student, s.assignment, s.question, s.kind, f"{s.points:g}", f"{s.max_points:g}"])
 
 
-def summary(outcomes: list[Outcome], no_jail: str | None = None) -> str:
-    """What went wrong, one line per student, notebook and anomaly, in plain words."""
+def summary(outcomes: list[Outcome], no_jail: str | None = None, apart: str | None = None) -> str:
+    """What went wrong, one line per student, notebook and anomaly, in plain words; `apart` says why notebooks
+    were graded one at a time, if they were."""
     lines = [f"- {o.student}, {o.assignment}: {what}" for o in outcomes for what in [o.problem, *o.anomalies] if what]
     normal = sum(not o.problem and not o.anomalies for o in outcomes)
     head = f"{normal} of {len(outcomes)} notebooks graded normally."
     if no_jail:
         head += ("\nWarning: these notebooks were run WITHOUT a jail, as trusted notebooks (--trusted): " + no_jail)
+    if apart:
+        head += f"\nNote: {apart}."
     return head + ("\nProblems:\n" + "\n".join(lines) if lines else " No problems.") + "\n"
 
 

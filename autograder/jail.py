@@ -9,7 +9,9 @@ What the learner's code sees and can do, by construction:
   the parts of flashcourse that answer no exercise (`KEPT_MODULES`), plus a small private /tmp.
   source/, the hidden checks, the reference, the finished engine, the gradebook, other submissions
   and the grader's output are not in it at all;
-- limits on CPU time, address space, processes, file size and open files (`Limits`).
+- limits on CPU time, address space, processes, file size and open files (`Limits`), and, where a control
+  group can be made for it (autograder/cgroups.py), a group of its own that caps its tasks and the memory
+  charged to it (memfd and tmpfs pages included), so that no jail draws on a pool another jail shares.
 The grader talks to the runner inside over two pipes (autograder/wire.py) and shares no writable
 file with it. Where no jail can be built, `why_no_jail()` says why and how to get one.
 
@@ -34,13 +36,13 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache, partial
 from pathlib import Path
 
 from flashcourse import DEVICE_ENV
 
-from . import ROOT, wire
+from . import ROOT, cgroups, wire
 from . import limits as kernel_limits
 
 LIBRARY = "/opt/flashcourse-grading"   # where the jail sees the runner and the kept modules
@@ -48,17 +50,27 @@ KEPT_MODULES = ("__init__.py", "runtime.py", "memory.py", "positions.py", "distr
 JAIL_UID_BASE = 1_000_000
 NOBODY = 65534
 START_TIMEOUT_S = 180
+MEMORY_ENV = "FLASHCOURSE_JAIL_MEMORY"  # each jail's memory (its cgroup's memory.max), in bytes, if not the default
+PROCESS_MARGIN = 64  # as root, RLIMIT_NPROC above pids.max: the jail's own group is what refuses, and says so
+
+
+def _memory_default() -> int:
+    try:
+        return int(os.environ.get(MEMORY_ENV) or 0) or (6 << 30)
+    except ValueError:
+        return 6 << 30
 
 
 @dataclass(frozen=True)
 class Limits:
     cpu_seconds: int = 3600            # per process
     address_space: int = 12 << 30      # per process; CUDA needs more, so it is lifted where a GPU is passed in
-    processes: int = 256               # threads included
+    processes: int = 256               # threads included: the jail's pids.max, else RLIMIT_NPROC
     file_size: int = 64 << 20
     open_files: int = 1024
     tmp_bytes: int = 256 << 20         # the private /tmp
     threads: int = 1                   # torch's and OpenMP's threads: notebooks are graded side by side, one per core
+    memory: int = field(default_factory=_memory_default)  # all the jail's charged pages, where it has a cgroup
 
 
 class NoJail(RuntimeError):
@@ -161,7 +173,7 @@ def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits(),
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(limits.tmp_bytes),
-             "--tmpfs", "/tmp"]
+             "--tmpfs", "/tmp", "--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm"]
     devices = gpus()
     for gpu in devices:
         argv += ["--dev-bind", str(gpu), str(gpu)]
@@ -173,9 +185,9 @@ def _bwrap_argv(library: Path, status_fd: int | None, limits: Limits = Limits(),
             argv += [*_traversable(keep), "--ro-bind", str(keep), str(keep)]
     if library.exists():
         argv += [*_traversable(Path(LIBRARY)), "--ro-bind", str(library), LIBRARY]
-    # bubblewrap builds the root on a tmpfs of its own, which an ordinary user's jail owns: read-only, so that
-    # only /tmp, within its size, takes writes.
-    argv += ["--remount-ro", "/", "--chdir", "/tmp"]
+    # bubblewrap builds the root and /dev on tmpfs of its own, of no size limit, which an ordinary user's jail
+    # owns: read-only, so that only /tmp and /dev/shm, within their sizes, take writes.
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
     if status_fd is not None:
         argv += ["--json-status-fd", str(status_fd)]
     return argv + ["--", *([] if template else _become_unprivileged())]
@@ -225,9 +237,51 @@ def _environment(limits: Limits, gpu: bool) -> dict[str, str]:
     return env
 
 
-def _set_limits(limits: Limits, gpu: bool):
-    """bubblewrap's preexec_fn: the kernel's limits, set before it becomes the kernel."""
-    return partial(kernel_limits.apply, asdict(limits), gpu)
+def _set_limits(limits: Limits, gpu: bool, accounting: "cgroups.Accounting | None" = None):
+    """bubblewrap's preexec_fn: into the jail's own groups, if it has some, then the kernel's limits, set before
+    it becomes the kernel."""
+    apply = partial(kernel_limits.apply, asdict(limits), gpu)
+    if accounting is None:
+        return apply
+
+    def join_then_apply() -> None:
+        accounting.join()
+        apply()
+    return join_then_apply
+
+
+def _process_limit(limits: Limits, accounted: bool) -> Limits:
+    """The limits with the RLIMIT_NPROC a kernel gets. RLIMIT_NPROC counts every process of a uid: as root each
+    jail has a uid of its own, but an ordinary user's jails all count against the grader's uid, one pool. Where
+    the jail has its own group, pids.max is its limit; RLIMIT_NPROC is then a margin above it (root) or the
+    grader's own (a user), so that no jail's processes count against another's."""
+    if not accounted:
+        return limits
+    if os.geteuid() == 0:
+        return replace(limits, processes=limits.processes + PROCESS_MARGIN)
+    return replace(limits, processes=resource.getrlimit(resource.RLIMIT_NPROC)[1])
+
+
+def isolation() -> str | None:
+    """None where jails graded side by side share no pool of processes or memory: each has its own cgroup, or
+    the grader is root (a uid per jail counts its processes). Otherwise why not: grade one at a time."""
+    why = cgroups.why_not()
+    if why is None or os.geteuid() == 0:
+        return None
+    return (f"{why}, so every jail's processes count against the grader's one RLIMIT_NPROC and memory held in "
+            "memfds is counted nowhere")
+
+
+def _report(hits: list[str]) -> None:
+    """Name the limits a notebook ran into: in the batch grader's anomalies file, else on stderr."""
+    from .execute import ANOMALIES_ENV
+
+    lines = [f"the notebook hit its own limit: {hit}" for hit in hits]
+    if os.environ.get(ANOMALIES_ENV):
+        with open(os.environ[ANOMALIES_ENV], "a") as f:
+            f.writelines(f"{line}\n" for line in lines)
+    else:
+        sys.stderr.writelines(f"{line}\n" for line in lines)
 
 
 def _lower_limits(pid: int, address_space: int, processes: int) -> None:
@@ -432,8 +486,21 @@ class Jail:
         self.stopped_cpu: dict[int, dict[int, int]] = {}  # the jail's other processes' threads during that call
         self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
         self.log = None         # what the kernel printed outside the protocol (start-up errors)
+        self.accounting: cgroups.Accounting | None = None  # the jail's own cgroups, where some can be made
+        self.hits: list[str] = []  # the limits of its own it ran into, once closed
+
+    def _account(self) -> None:
+        """The jail's own groups, where this machine lets the grader make them; NoJail if making them failed."""
+        where = cgroups.place() if self.jailed else None
+        if where is None:
+            return
+        try:
+            self.accounting = cgroups.Accounting(self.limits.processes, self.limits.memory, where)
+        except OSError as error:
+            raise NoJail(f"the jail's own cgroup could not be made: {error}") from None
 
     def start(self) -> None:
+        self._account()
         if self.template is not None:
             try:
                 return self._start_from_template()
@@ -455,7 +522,8 @@ class Jail:
         self.process = subprocess.Popen(
             [*argv, sys.executable, runner, str(jail_in), str(jail_out)], env=env, cwd="/tmp",
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, pass_fds=(jail_in, jail_out, status_out),
-            start_new_session=True, preexec_fn=_set_limits(self.limits, self.gpu))
+            start_new_session=True,
+            preexec_fn=_set_limits(_process_limit(self.limits, self.accounting is not None), self.gpu, self.accounting))
         for fd in (jail_in, jail_out, status_out):
             os.close(fd)
         self.reader, self.writer = grader_in, grader_out
@@ -474,8 +542,9 @@ class Jail:
         self.reader, self.writer = grader_in, grader_out
         try:
             try:
-                self.pid, self.lifeline = self.template.spawn(self.limits, self.gpu, jail_in, jail_out,
-                                                              self.log.fileno())
+                self.pid, self.lifeline = self.template.spawn(
+                    _process_limit(self.limits, self.accounting is not None), self.gpu, jail_in, jail_out,
+                    self.log.fileno())
                 self.pidfd = os.pidfd_open(self.pid)  # signals reach this kernel, never a later process given its pid
             except ProcessLookupError:
                 raise TemplateGone("the kernel the template forked has already ended") from None
@@ -488,6 +557,12 @@ class Jail:
         finally:
             os.close(jail_in)
             os.close(jail_out)
+        if self.accounting is not None:  # into its own groups before its first request: no notebook code ran yet
+            try:
+                self.accounting.add(self.pid)
+            except OSError as error:
+                self.close()
+                raise NoJail(f"the kernel could not be moved into its own cgroup: {error}") from None
         self._wait_until_ready()
 
     def _wait_until_ready(self) -> None:
@@ -643,6 +718,12 @@ class Jail:
             for pid in others:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGKILL)
+        if self.accounting is not None:
+            self.hits = self.accounting.hits()
+            self.accounting.close()
+            self.accounting = None
+            if self.hits:
+                _report(self.hits)
         if self.log is not None:
             self.log.close()
             self.log = None
