@@ -173,7 +173,8 @@ class Accounting:
 
     def __init__(self, processes: int, memory: int, where: Place):
         self.where, self.processes, self.memory = where, processes, memory
-        name = f"flashcourse-{os.getpid()}-{next(_names)}"
+        # pids may repeat across PID namespaces that share a hierarchy (containers on one host): a random part too
+        name = f"flashcourse-{os.getpid()}-{next(_names)}-{os.urandom(4).hex()}"
         self.groups = [Path(parent) / name for parent in where.parents]
         made = []
         try:
