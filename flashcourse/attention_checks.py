@@ -470,12 +470,12 @@ def recognise(got, case: Case, tile: int | None = None) -> str | None:
 
 
 def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
-    """fn must compute attention without creating a floating-point tensor of T * S elements or more.
+    """fn must compute attention without creating a tensor of T * S elements or more (scores, or a mask).
 
-    The full score matrix of one (batch, head) alone has T * S elements; a tiled implementation's
-    largest tensor is about B * Hq * T * tile elements, far smaller for the case given (tile < S). The
-    output must still be attention (correct, or one of the recognised mistakes, graded elsewhere).
-    A function that runs in another process (a notebook being graded) is measured from outside
+    The full score matrix of one (batch, head) alone has T * S elements, and so has its mask; a tiled
+    implementation's largest tensor is about B * Hq * T * tile elements, far smaller for the case given
+    (tile < S). The output must still be attention (correct, or one of the recognised mistakes, graded
+    elsewhere). A function that runs in another process (a notebook being graded) is measured from outside
     instead: see `check_memory_from_outside`.
     """
     if hasattr(fn, "limited_call"):
@@ -487,23 +487,30 @@ def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> No
     s = case.k.shape[2]
     with AllocationTracker() as tracker:
         got = case.call(fn)
-    too_big = tracker.created(t * s)
+    too_big = tracker.created(t * s, floating=False)   # a [T, S] boolean mask too: the probe from outside counts it
     if too_big:
         biggest = max(too_big, key=lambda a: a.numel)
         raise AssertionError(
             f"{what}, {case.describe()}: created a {biggest.dtype} tensor of shape {list(biggest.shape)} "
             f"({biggest.numel} elements, from {biggest.op}), as large as the whole [T, S] = [{t}, {s}] score "
-            f"matrix. Compute the scores one key tile at a time ([.., T, {case.kwargs.get(tile_arg)}] each) "
-            "and never keep them all.")
+            f"matrix. Compute the scores and the mask one key tile at a time ([.., T, {case.kwargs.get(tile_arg)}] "
+            "each) and never keep them all.")
     if recognise(got, case, case.kwargs.get(tile_arg)) is None:
         raise AssertionError(f"{what}, {case.describe()}: the output is not attention (it matches neither the "
                              "reference nor any recognised mistake), so its memory use is not graded.")
 
 
-PROBE_SCORE_BYTES = 512 << 20    # one float32 [B, Hq, T, S] score matrix of the scaled-up case
-PROBE_ALLOWANCE = 384 << 20      # what the call may map beyond its process's start-up size (a tiled
-                                 # function holds a few [B, Hq, T, PROBE_TILE] tensors, tens of MiB)
-PROBE_TILE = 256
+# 03's probe from outside: one sequence of one head (B = Hq = Hkv = 1), T and S grown until its float32 [T, S]
+# score matrix takes PROBE_SCORE_BYTES (T = S = 16384 from a prefill case), against PROBE_ALLOWANCE. Measured in the
+# jail's measured child (2-core CPU, D = 8, tile PROBE_TILE): the instructor's online_attention and every sample
+# of autograder/samples peak at 82.8 MiB of address space at most (71.5 MiB resident), in 2.6 to 3.6 s; a loop
+# over query blocks of 256 rows holding [256, S] strips at 66 MiB. What cannot fit: that one head's score matrix
+# (1024 MiB, 4x the allowance), in bfloat16 or float16 (512 MiB, 2x), or a [T, S] boolean mask beside the work
+# (256 MiB, the whole allowance). torch's fused scaled_dot_product_attention with is_causal=True (its CPU flash
+# kernel) peaks at 13 MiB and passes: memory alone does not tell it from an online loop (README, "For instructors").
+PROBE_SCORE_BYTES = 1 << 30      # one float32 [T, S] score matrix of the probe's one head
+PROBE_ALLOWANCE = 256 << 20      # what the call may map beyond its process's start-up size: the honest peak's 3x
+PROBE_TILE = 256                 # the probe's tile (06's backward probe uses it too)
 PROBE_ROWS = 32                  # query rows compared with the reference at the large size (probe_rows)
 
 
@@ -518,27 +525,30 @@ def probe_rows(answer: Sequence[torch.Tensor], t: int) -> torch.Tensor:
 
 
 def check_memory_from_outside(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
-    """`case` scaled up until one float32 [B, Hq, T, S] score matrix takes PROBE_SCORE_BYTES, then fn
-    called through `fn.limited_call` (flashcourse.memory's protocol): its process may map only
-    PROBE_ALLOWANCE more bytes than at start-up, less than that one matrix, so only a function that
-    keeps one tile of scores at a time can answer. A few rows of its output must be attention or one
-    of the recognised mistakes (graded elsewhere), so a function that gives up on large inputs earns
-    nothing.
+    """`case` as one sequence of one head (B = Hq = Hkv = 1), scaled up until its float32 [T, S] score matrix
+    takes PROBE_SCORE_BYTES, then fn called through `fn.limited_call` (flashcourse.memory's protocol): its
+    process may map only PROBE_ALLOWANCE more bytes than at start-up, a quarter of that one head's matrix,
+    so only a function that keeps one tile of scores at a time can answer: the whole matrix of a head, even
+    in 16 bits and computed in place, does not fit. A few rows of its output must be attention or one of
+    the recognised mistakes (graded elsewhere), so a function that gives up on large inputs earns nothing.
     """
     what = getattr(fn, "__name__", "attention")
-    b, hq, t, d = case.q.shape
-    hkv, s = case.k.shape[1], case.k.shape[2]
-    grow = math.ceil(math.sqrt(PROBE_SCORE_BYTES / (4 * b * hq * t * s)))
-    big = make_case(f"{case.name}, {grow}x longer", batch=b, q_heads=hq, kv_heads=hkv, t=t * grow, s=s * grow, d=d,
-                    seed=t * s, **{tile_arg: PROBE_TILE})
-    matrix_mib = 4 * b * hq * big.q.shape[2] * big.k.shape[2] >> 20
+    t, d = case.q.shape[2], case.q.shape[3]
+    s = case.k.shape[2]
+    b = hq = 1
+    grow = math.ceil(math.sqrt(PROBE_SCORE_BYTES / (4 * t * s)))
+    big = make_case(f"{case.name}, one head, {grow}x longer", batch=1, q_heads=1, kv_heads=1, t=t * grow,
+                    s=s * grow, d=d, seed=t * s, **{tile_arg: PROBE_TILE})
+    matrix_mib = 4 * big.q.shape[2] * big.k.shape[2] >> 20
     try:
         got = fn.limited_call(PROBE_ALLOWANCE, *(big.q, big.k, big.v), **big.kwargs)
     except MemoryError as error:
         raise AssertionError(
             f"{what}, {big.describe()}: with its memory limited to {PROBE_ALLOWANCE >> 20} MiB beyond what the "
-            f"kernel held at start-up, it failed ({error}). One [T, S] float32 score matrix of this case alone "
-            f"takes {matrix_mib} MiB: compute the scores one key tile at a time and never keep them all.") from None
+            f"kernel held at start-up, it failed ({error}): it needed more memory than a loop over key tiles holds "
+            f"(a few [T, {PROBE_TILE}] tiles, tens of MiB). The [T, S] float32 score matrix of this one head alone "
+            f"takes {matrix_mib} MiB ({matrix_mib // 2} MiB in 16 bits, {matrix_mib // 4} MiB as a boolean mask): "
+            "compute the scores and the mask one key tile at a time and never keep them all.") from None
     expected_shape = (b, hq, big.q.shape[2], big.v.shape[3])
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != expected_shape:
         raise AssertionError(f"{what}, {big.describe()}: expected an output of shape {list(expected_shape)}, got "

@@ -95,9 +95,10 @@ def test_online_attention_errors(online_attention) -> None:
 
 
 def test_online_attention_memory(online_attention) -> None:
-    """No floating-point tensor of T * S elements is created when tile < S, in a prefill (T = S = 128): the
-    visible test probes a chunked prefill. Measured from outside, every probe is scaled up to the same 512 MiB
-    score matrix, so a second chunked one would cost as much as the first and catch nothing new."""
+    """No tensor of T * S elements is created when tile < S, in a prefill (T = S = 128): the visible test
+    probes a chunked prefill. Measured from outside, every probe is one head scaled up to the same 1 GiB float32
+    score matrix (T = S = 16384 here) against 256 MiB (attention_checks.PROBE_ALLOWANCE), so a second chunked
+    one would cost as much as the first and catch nothing new."""
     ac.check_no_full_scores(online_attention, ac.make_case("memory, prefill", batch=1, q_heads=2, kv_heads=2,
                                                             t=128, s=128, d=8, seed=41, tile=32))
 
