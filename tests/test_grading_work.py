@@ -1,13 +1,15 @@
 """Points only for the work: full marks without writing the algorithm are out of reach, by measurement.
 
 03's memory points are measured from outside the learner's process, so a score matrix built in
-numpy, or kept in a buffer allocated ahead of time, costs them. 04's kernel points need the wrapper
+numpy, or kept in a buffer allocated ahead of time, costs them, and so does one head's matrix at a
+time, or torch's fused attention given a [T, S] mask. 04's kernel points need the wrapper
 to launch a @triton.jit kernel written in the notebook, so correct attention in plain PyTorch earns
 none. Each submission is alt_correct's notebook with one function replaced.
 """
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -75,6 +77,56 @@ def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16)
     return (scores @ vv).to(q.dtype)
 '''
 
+# The attack that once scored full marks: one (batch, head) at a time, each head's whole score matrix
+# softmaxed in place, so no more than one head's [T, S] matrix is ever held.
+PER_HEAD_SCORES = '''import math
+
+
+def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
+    """Exact attention, one head at a time, each with its whole [T, S] score matrix."""
+    if tile < 1:
+        raise ValueError("tile must be >= 1")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError("Hq % Hkv != 0")
+    b, hq, t, d = q.shape
+    s = k.shape[2]
+    qp = positions(query_positions, b, t, s - t, q.device)
+    kp = positions(key_positions, b, s, 0, q.device)
+    group = hq // k.shape[1]
+    out = torch.empty(b, hq, t, v.shape[-1])
+    for i in range(b):
+        hidden = kp[i][None, :] > qp[i][:, None]
+        if hidden.all(-1).any():
+            raise ValueError("some query sees no key")
+        for h in range(hq):
+            scores = q[i, h].float() @ k[i, h // group].float().T
+            scores.mul_(1 / math.sqrt(d)).masked_fill_(hidden, float("-inf"))
+            scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+            scores.div_(scores.sum(-1, keepdim=True))
+            out[i, h] = scores @ v[i, h // group].float()
+    return out.to(q.dtype)
+'''
+
+# torch's fused attention, the positions given to it as a boolean [B, 1, T, S] mask.
+FUSED_WITH_MASK = '''def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
+    """Exact attention by torch's scaled_dot_product_attention with a [T, S] mask."""
+    if tile < 1:
+        raise ValueError("tile must be >= 1")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError("Hq % Hkv != 0")
+    b, hq, t, d = q.shape
+    s = k.shape[2]
+    qp = positions(query_positions, b, t, s - t, q.device)
+    kp = positions(key_positions, b, s, 0, q.device)
+    visible = kp[:, None, None, :] <= qp[:, None, :, None]
+    if not visible.any(-1).all():
+        raise ValueError("some query sees no key")
+    group = hq // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1), attn_mask=visible)
+    return out.to(q.dtype)
+'''
+
 PLAIN_PYTORCH = '''def flash_attention(q, k, v, query_offset=None, block_m=32, block_n=32, window=None, **launch):
     """Causal attention in plain PyTorch: correct, but no Triton kernel."""
     B, H, T, D = q.shape
@@ -119,6 +171,10 @@ CASES = {  # student -> (assignment, notebook, expected points)
     "preallocated_scores": ("03_online_attention",
                             _replacing("03_online_attention", "online_attention", PREALLOCATED),
                             _without("03_online_attention", "test_online_attention_memory")),
+    "per_head_scores": ("03_online_attention", _replacing("03_online_attention", "online_attention", PER_HEAD_SCORES),
+                        _without("03_online_attention", "test_online_attention_memory")),
+    "fused_with_mask": ("03_online_attention", _replacing("03_online_attention", "online_attention", FUSED_WITH_MASK),
+                        _without("03_online_attention", "test_online_attention_memory")),
     "plain_pytorch": ("04_triton_flash", _replacing("04_triton_flash", "flash_attention", PLAIN_PYTORCH),
                       _without("04_triton_flash", "test_validation", "test_prefill", "test_offset", "test_query_offset",
                                "test_gqa", "test_block_skipping", "test_window", "test_window_skipping")),
@@ -148,6 +204,9 @@ def test_the_feedback_says_why(graded):
     _, out = graded
     numpy_page = next((out / "feedback" / "numpy_scores").rglob("*.html")).read_text()
     assert "memory limited to" in numpy_page and "score matrix" in numpy_page
+    per_head_page = next((out / "feedback" / "per_head_scores").rglob("*.html")).read_text()
+    assert "memory limited to 256 MiB" in per_head_page and "needed more memory than a loop over key tiles" in \
+        per_head_page and re.search(r"score matrix of this one head alone takes 10\d\d MiB", per_head_page)
     torch_page = next((out / "feedback" / "plain_pytorch").rglob("*.html")).read_text()
     assert "launches no @triton.jit kernel" in torch_page
 
