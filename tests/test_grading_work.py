@@ -95,15 +95,17 @@ def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16)
     group = hq // k.shape[1]
     out = torch.empty(b, hq, t, v.shape[-1])
     for i in range(b):
-        hidden = kp[i][None, :] > qp[i][:, None]
-        if hidden.all(-1).any():
+        if (kp[i].min() > qp[i]).any():
             raise ValueError("some query sees no key")
         for h in range(hq):
             scores = q[i, h].float() @ k[i, h // group].float().T
-            scores.mul_(1 / math.sqrt(d)).masked_fill_(hidden, float("-inf"))
+            scores.mul_(1 / math.sqrt(d))
+            for r in range(0, t, 1024):   # masked 1024 rows at a time: the scores are its only [T, S] tensor
+                scores[r:r + 1024].masked_fill_(kp[i][None, :] > qp[i][r:r + 1024, None], float("-inf"))
             scores.sub_(scores.amax(-1, keepdim=True)).exp_()
             scores.div_(scores.sum(-1, keepdim=True))
             out[i, h] = scores @ v[i, h // group].float()
+            del scores   # freed before the next head's: one head's matrix at a time
     return out.to(q.dtype)
 '''
 
