@@ -301,7 +301,7 @@ def run_ring(ring_attention: Callable, q, k, v, world_size: int, causal: bool = 
                                  "in length, so size each receive like the shard it receives (its owner's positions), "
                                  f"not like the one held. ({str(error)[:300]})") from None
         if not (isinstance(error, distributed.RanksTimedOut) or str(error).startswith("RanksTimedOut")):
-            raise
+            raise AssertionError(f"{where}: ring_attention failed {error}") from None
         detail = str(error).removeprefix("RanksTimedOut: ")
         raise AssertionError(f"{where}: ring_attention never finished: {detail}. Every rank must start its send to "
                              "(rank + 1) % P and its receive from (rank - 1) % P (isend and irecv, or "
