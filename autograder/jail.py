@@ -647,87 +647,6 @@ class Jail:
                 with _gone_is_fine():
                     os.kill(pid, signal.SIGCONT)
 
-    def check_alone(self, child: int) -> None:
-        """After the measured call has answered: NotAlone unless every other process of the jail
-        stayed stopped throughout: no process or thread was born or ended, and none ran a nanosecond.
-        Signals cannot be kept from the child, which may wake what was stopped; this sees whether it did."""
-        if {self.pid, *self.others()} != {*self.stopped_cpu, child} or \
-                any(_cpu_used(pid) != used for pid, used in self.stopped_cpu.items()):
-            raise NotAlone("another process of the notebook's kernel ran during the measured call: the measured "
-                           "function must do its work in the process that calls it")
-
-    def check_resident(self, child: int) -> None:
-        """After the measured call has answered: MeasurementRefused unless its process is still there (the
-        runner's child waits to be killed) and its peak resident memory, less the file pages it has mapped by
-        the end, stayed within resident_limit.
-
-        The kernel keeps only the peak of all resident pages (VmHWM). File pages are mapped again as the
-        forked process touches its libraries, more or fewer by chance, and are only added during the call
-        (unless the machine runs so short of memory that it drops some), so the peak less those at the end
-        is at most what the call held in anonymous and shared memory at its peak: an honest call is never
-        refused for the pages of libraries it read.
-        """
-        peak = _status_bytes(child, "VmHWM") - _status_bytes(child, "RssFile")
-        if child not in self.others() or peak <= 0:
-            raise MeasurementRefused("the process of the measured call ended before its memory could be read")
-        if peak > self.resident_limit:
-            raise MeasurementRefused(f"the measured call's process had {peak >> 20} MiB resident at its peak (files' "
-                                     f"pages aside), more than the {self.resident_limit >> 20} MiB its allowance "
-                                     "permits")
-
-    def ask_child(self, child: int, request: dict, tensors: dict | None, deadline: float) -> tuple[dict, dict]:
-        """ask, answered by the measured child: wire.Closed as soon as the child is gone without an answer
-        (the runner, stopped, still holds the pipes open)."""
-        def there() -> bool:
-            return child in self.others()
-
-        try:
-            wire.send(self.writer, request, tensors, deadline, there)
-        except (BrokenPipeError, OSError):
-            raise wire.Closed() from None
-        return wire.receive(self.reader, deadline, there)
-
-    def alive(self) -> bool:
-        if self.pidfd >= 0:  # forked by the template: the descriptor becomes readable when it ends
-            return not select.select([self.pidfd], [], [], 0)[0]
-        return self.process is not None and self.process.poll() is None
-
-    def close(self) -> int:
-        """Stop the jail and everything in it; the number of processes the notebook had left running."""
-        others = self.others() if self.alive() else []
-        for fd in ("reader", "writer"):
-            with _gone_is_fine():
-                os.close(getattr(self, fd))
-            setattr(self, fd, -1)
-        if self.pidfd >= 0:  # pid 1 of the jail: its namespace ends with it
-            with _gone_is_fine():
-                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            select.select([self.pidfd], [], [], 10)
-            os.close(self.pidfd)
-            self.pidfd = -1
-        if self.lifeline is not None:
-            self.lifeline.close()
-            self.lifeline = None
-        if self.process is not None:
-            with _gone_is_fine():
-                os.kill(self.pid, signal.SIGKILL)
-            with _gone_is_fine():
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        if not self.jailed:  # no namespace to end them: each one it had is killed by pid
-            for pid in others:
-                with _gone_is_fine():
-                    os.kill(pid, signal.SIGKILL)
-        if self.accounting is not None:
-            self.hits = self.accounting.hits()
-            self.accounting.close()
-            self.accounting = None
-            if self.hits:
-                _report(self.hits)
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-        shutil.rmtree(self.folder, ignore_errors=True)
     def call_on_ranks(self, request: dict, tensors: dict, deadline: float) -> tuple[dict, dict]:
         """The learner's function on every rank of a process group started in the jail, each rank fed only its
         own arguments and measured from outside: the answer {"value": [rank 0's, ...]} or {"raised": [...]}.
@@ -860,44 +779,90 @@ class Jail:
                                                     f"without using the CPU and were killed: {distributed._DEADLOCK}"]}
         return {"value": [values[rank] for rank in range(world_size)]}
 
+    def check_alone(self, child: int) -> None:
+        """After the measured call has answered: NotAlone unless every other process of the jail
+        stayed stopped throughout: no process or thread was born or ended, and none ran a nanosecond.
+        Signals cannot be kept from the child, which may wake what was stopped; this sees whether it did."""
+        if {self.pid, *self.others()} != {*self.stopped_cpu, child} or \
+                any(_cpu_used(pid) != used for pid, used in self.stopped_cpu.items()):
+            raise NotAlone("another process of the notebook's kernel ran during the measured call: the measured "
+                           "function must do its work in the process that calls it")
+
+    def check_resident(self, child: int) -> None:
+        """After the measured call has answered: MeasurementRefused unless its process is still there (the
+        runner's child waits to be killed) and its peak resident memory, less the file pages it has mapped by
+        the end, stayed within resident_limit.
+
+        The kernel keeps only the peak of all resident pages (VmHWM). File pages are mapped again as the
+        forked process touches its libraries, more or fewer by chance, and are only added during the call
+        (unless the machine runs so short of memory that it drops some), so the peak less those at the end
+        is at most what the call held in anonymous and shared memory at its peak: an honest call is never
+        refused for the pages of libraries it read.
+        """
+        peak = _status_bytes(child, "VmHWM") - _status_bytes(child, "RssFile")
+        if child not in self.others() or peak <= 0:
+            raise MeasurementRefused("the process of the measured call ended before its memory could be read")
+        if peak > self.resident_limit:
+            raise MeasurementRefused(f"the measured call's process had {peak >> 20} MiB resident at its peak (files' "
+                                     f"pages aside), more than the {self.resident_limit >> 20} MiB its allowance "
+                                     "permits")
+
+    def ask_child(self, child: int, request: dict, tensors: dict | None, deadline: float) -> tuple[dict, dict]:
+        """ask, answered by the measured child: wire.Closed as soon as the child is gone without an answer
+        (the runner, stopped, still holds the pipes open)."""
+        def there() -> bool:
+            return child in self.others()
+
+        try:
+            wire.send(self.writer, request, tensors, deadline, there)
+        except (BrokenPipeError, OSError):
+            raise wire.Closed() from None
+        return wire.receive(self.reader, deadline, there)
+
+    def alive(self) -> bool:
+        if self.pidfd >= 0:  # forked by the template: the descriptor becomes readable when it ends
+            return not select.select([self.pidfd], [], [], 0)[0]
+        return self.process is not None and self.process.poll() is None
+
+    def close(self) -> int:
+        """Stop the jail and everything in it; the number of processes the notebook had left running."""
+        others = self.others() if self.alive() else []
+        for fd in ("reader", "writer"):
+            with _gone_is_fine():
+                os.close(getattr(self, fd))
+            setattr(self, fd, -1)
+        if self.pidfd >= 0:  # pid 1 of the jail: its namespace ends with it
+            with _gone_is_fine():
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            select.select([self.pidfd], [], [], 10)
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.lifeline is not None:
+            self.lifeline.close()
+            self.lifeline = None
+        if self.process is not None:
+            with _gone_is_fine():
+                os.kill(self.pid, signal.SIGKILL)
+            with _gone_is_fine():
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if not self.jailed:  # no namespace to end them: each one it had is killed by pid
+            for pid in others:
+                with _gone_is_fine():
+                    os.kill(pid, signal.SIGKILL)
+        if self.accounting is not None:
+            self.hits = self.accounting.hits()
+            self.accounting.close()
+            self.accounting = None
+            if self.hits:
+                _report(self.hits)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        shutil.rmtree(self.folder, ignore_errors=True)
         return len(others)
 
 
-def _state(pid: int) -> str:
-    """The process's state letter (R, S, T, Z...), or "" once it is gone: "T" only once every thread has
-    stopped (a signal stops the threads one by one)."""
-    states = set()
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.add(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (OSError, IndexError):
-            pass
-    running = states - {"T", "t", "Z", "X"}
-    if running:
-        return min(running)
-    return "" if not states else "T" if states <= {"T", "t"} else "Z"
-
-
-def _signal_and_wait(pids: set[int], sent: int, timeout: float = 10.0) -> None:
-    """Send a stop or kill signal and return once each process is stopped (or dead), since signals are
-    delivered after os.kill returns; MeasurementRefused if one is still running after `timeout`."""
-    for pid in pids:
-        with _gone_is_fine():
-            os.kill(pid, sent)
-    settled = ("", "Z", "X") if sent == signal.SIGKILL else ("", "Z", "X", "T", "t")
-    deadline = time.monotonic() + timeout
-    while any(_state(pid) not in settled for pid in pids):
-        if time.monotonic() > deadline:
-            raise MeasurementRefused("a process of the jail did not stop when told to")
-        time.sleep(0.001)
-
-
-@contextmanager
-def _gone_is_fine():
-    try:
-        yield
-    except (ProcessLookupError, PermissionError, OSError):
-        pass
 RING_HELD = ("rank {rank} of {world_size} held {held:.0f} MiB at its peak (the ranks: {every} MiB), more than a ring "
              "needs: the check allows "
              "{allowance:.0f} MiB, room for the rank's own shards, two more of K and V in flight and the work of one "
@@ -986,3 +951,38 @@ def _cuda_ok(device: str) -> bool:
     return device.startswith("cuda") and torch.cuda.is_available()
 
 
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, T, Z...), or "" once it is gone: "T" only once every thread has
+    stopped (a signal stops the threads one by one)."""
+    states = set()
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.add(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            pass
+    running = states - {"T", "t", "Z", "X"}
+    if running:
+        return min(running)
+    return "" if not states else "T" if states <= {"T", "t"} else "Z"
+
+
+def _signal_and_wait(pids: set[int], sent: int, timeout: float = 10.0) -> None:
+    """Send a stop or kill signal and return once each process is stopped (or dead), since signals are
+    delivered after os.kill returns; MeasurementRefused if one is still running after `timeout`."""
+    for pid in pids:
+        with _gone_is_fine():
+            os.kill(pid, sent)
+    settled = ("", "Z", "X") if sent == signal.SIGKILL else ("", "Z", "X", "T", "t")
+    deadline = time.monotonic() + timeout
+    while any(_state(pid) not in settled for pid in pids):
+        if time.monotonic() > deadline:
+            raise MeasurementRefused("a process of the jail did not stop when told to")
+        time.sleep(0.001)
+
+
+@contextmanager
+def _gone_is_fine():
+    try:
+        yield
+    except (ProcessLookupError, PermissionError, OSError):
+        pass

@@ -213,14 +213,6 @@ def test_the_feedback_says_why(graded):
     assert "launches no @triton.jit kernel" in torch_page
 
 
-def test_auto_grades_only_the_kernel_assignments_on_a_gpu(monkeypatch):
-    """--device auto sends the PyTorch assignments to the CPU; an explicit --device applies to every one."""
-    monkeypatch.delenv(DEVICE_ENV, raising=False)
-    assert grade.device_for("03_online_attention") == {DEVICE_ENV: "cpu"}
-    assert grade.device_for("07_ring_attention") == {DEVICE_ENV: "cpu"}
-    assert grade.device_for("05_fast_kernel") == {}
-    monkeypatch.setenv(DEVICE_ENV, "cuda")
-    assert grade.device_for("03_online_attention") == {}
 import ring_variants  # noqa: E402  (tests/ is on the path, as conftest is)
 
 RING = "07_ring_attention"
@@ -260,3 +252,11 @@ def test_the_ring_feedback_says_why(graded_rings):
     assert "more than a ring" in page and "needs" in page
 
 
+def test_auto_grades_only_the_kernel_assignments_on_a_gpu(monkeypatch):
+    """--device auto sends the PyTorch assignments to the CPU; an explicit --device applies to every one."""
+    monkeypatch.delenv(DEVICE_ENV, raising=False)
+    assert grade.device_for("03_online_attention") == {DEVICE_ENV: "cpu"}
+    assert grade.device_for("07_ring_attention") == {DEVICE_ENV: "cpu"}
+    assert grade.device_for("05_fast_kernel") == {}
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    assert grade.device_for("03_online_attention") == {}
