@@ -138,15 +138,17 @@ PLACE_ENV = "FLASHCOURSE_CGROUPS"  # the place found once by the batch grader, f
 def export() -> None:
     """Hand this process's place to the processes it starts, so they neither look again nor move anything."""
     found = place()
-    os.environ[PLACE_ENV] = "" if found is None else ":".join([str(found.version), *found.parents])
+    # The uid goes with it: a process of another user that inherits the variable looks for itself.
+    os.environ[PLACE_ENV] = ":".join([str(os.geteuid()), *([] if found is None else [str(found.version), *found.parents])])
 
 
 @lru_cache(maxsize=None)
 def place() -> Place | None:
     """Where this process can make a jail's groups, or None."""
-    if PLACE_ENV in os.environ:
-        version, *parents = (os.environ[PLACE_ENV] or "0").split(":")
-        return Place(int(version), tuple(parents)) if parents and all(map(os.path.isdir, parents)) else None
+    inherited = os.environ.get(PLACE_ENV, "").split(":")  # uid, then the version and the parents, if any
+    if inherited[0] == str(os.geteuid()):
+        parents = inherited[2:]
+        return Place(int(inherited[1]), tuple(parents)) if parents and all(map(os.path.isdir, parents)) else None
     try:
         mounts, own = _mounts(), _own()
         v2 = next((Path(m) for m, kind, _ in mounts if kind == "cgroup2"), None)
