@@ -56,8 +56,12 @@ for line in sys.stdin:
         getattr(kernels, name).warmup(*[value(a) for a in args], grid=tuple(grid),
                                       **{k: value(v) for k, v in kwargs.items()})
         print("ok", flush=True)
-    except Exception as error:
-        print(json.dumps(f"{type(error).__name__}: {error}"[-3000:]), flush=True)
+    except Exception as error:  # the compiler names the call that failed, then (as its cause) what failed in it
+        chain = []
+        while error is not None and len(chain) < 8:
+            chain.append(f"{type(error).__name__}: {error}")
+            error = error.__cause__
+        print(json.dumps("\n".join(chain)[-4000:]), flush=True)
 """
 
 
