@@ -1,7 +1,9 @@
 # The course's commands. Each creates the virtual environment it needs when it is missing.
-#   make demo    build, grade the sample submissions, print the table (grades.csv and feedback in build/demo)
+#   make demo    grade the sample submissions, print the table (grades.csv and feedback in build/demo); it grades
+#                against source/ and writes nothing in notebooks/, solutions/ or the engine
 #   make test    the whole test suite (what CI runs)
-#   make build   regenerate notebooks/, solutions/ and flashcourse/engine/ from source/
+#   make build   regenerate notebooks/, solutions/ and flashcourse/engine/ from source/; a notebook edited in
+#                notebooks/ is never replaced (python -m autograder build --force does)
 #   make lab     open the learner's JupyterLab on notebooks/ (nbgrader's instructor tools switched off)
 #   make instructor-lab   open JupyterLab on the course root, with nbgrader's formgrader and Create Assignment
 #   make grade SUBMISSIONS=dir   grade a folder laid out as submitted/<student>/<assignment>/
@@ -29,8 +31,8 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
+# The demo needs no build: the grader generates each assignment's release from source/ in a folder of its own.
 demo: $(BIN)/.installed
-	$(BIN)/python -m autograder build
 	$(BIN)/python -m autograder demo
 
 test: $(BIN)/.installed

@@ -21,6 +21,9 @@ def main() -> int:
     b.add_argument("--no-execute", action="store_true",
                    help="keep executed solutions' outputs: carry a changed source's text into them "
                         "(refused where a code cell with outputs changed)")
+    b.add_argument("--force", action="store_true",
+                   help="replace release notebooks in notebooks/ even where they were edited since the last build "
+                        "(a learner's work there is lost)")
     g = sub.add_parser("grade", help="autograde a folder laid out as submitted/<student>/<assignment>/")
     g.add_argument("submissions", type=Path)
     g.add_argument("--out", type=Path, default=ROOT / "build" / "grades")
@@ -48,7 +51,8 @@ def main() -> int:
         return selfcheck.main([str(args.notebook)])
 
     if args.command == "build":
-        return build.main(args.assignments, check=args.check, execute_solutions=not args.no_execute)
+        return build.main(args.assignments, check=args.check, execute_solutions=not args.no_execute,
+                          force=args.force)
     submissions = SAMPLES if args.command == "demo" else args.submissions
     if getattr(args, "device", "auto") != "auto":  # read by flashcourse.runtime here, in nbgrader and in the jail
         os.environ[DEVICE_ENV] = args.device

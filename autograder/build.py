@@ -2,9 +2,14 @@
 
     python -m autograder build [A ...]    regenerate notebooks/, solutions/ and flashcourse/engine/
     python -m autograder build --check    fail if any of them is out of date with source/
+    python -m autograder build --force    also replace release notebooks a learner has edited
 
 source/<assignment>/<assignment>.ipynb is the single hand-written notebook of each assignment:
-- notebooks/ is `nbgrader generate_assignment` of it (solutions replaced by stubs, hidden tests removed);
+- notebooks/ is `nbgrader generate_assignment` of it (solutions replaced by stubs, hidden tests removed).
+  It is also where a learner works (`make lab` opens it), so the release is generated into a temporary
+  folder and copied in file by file, and a file is written only where it changed. A file that differs from
+  the one build last wrote there (its sha256 is kept in notebooks/.built-sha256.json) is a learner's work:
+  it is never replaced, only reported when the release itself changed, unless --force (install_release);
 - solutions/ is it with the solution markers and hidden tests removed, executed, outputs kept. A
   solution is re-executed only when its source changed, so outputs made on a GPU are kept; with
   --no-execute a changed source's text is carried into the executed solution instead (carry_text);
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -42,6 +48,7 @@ from .preprocessors import generated_note
 
 SOURCE = ROOT / "source"
 RELEASE = ROOT / "notebooks"
+BUILT = ".built-sha256.json"    # in RELEASE: the sha256 of each file build last wrote there
 SOLUTIONS = ROOT / "solutions"
 ENGINE = ROOT / "flashcourse" / "engine"
 EXPORT_TAG = "export"
@@ -127,6 +134,61 @@ def nbgrader(*args: str, db: Path) -> None:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=nbgrader_environment())
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd[2:])} failed:\n{done.stdout}\n{done.stderr}")
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def built_hashes() -> dict[str, str]:
+    """What build last wrote into notebooks/: path relative to it -> sha256 of the bytes written."""
+    path = RELEASE / BUILT
+    return json.loads(path.read_text())["files"] if path.exists() else {}
+
+
+def _write_built_hashes(hashes: dict[str, str]) -> None:
+    about = ("The sha256 of each file `python -m autograder build` last wrote into notebooks/. A file that "
+             "differs from it was edited (a learner's work): build does not replace it unless --force.")
+    text = json.dumps({"about": about, "files": dict(sorted(hashes.items()))}, indent=1) + "\n"
+    if not (RELEASE / BUILT).exists() or (RELEASE / BUILT).read_text() != text:
+        (RELEASE / BUILT).write_text(text)
+
+
+def install_release(fresh: Path, assignment: str, force: bool = False) -> list[str]:
+    """Copy the release generated in fresh/<assignment>/ into notebooks/<assignment>/, keeping a learner's work.
+
+    Each file is written only where it changed: where none is there yet, where the one there is what build
+    last wrote (its sha256 in notebooks/.built-sha256.json), or with `force`. A file edited since (or of
+    unknown origin) is kept: silently when the release has not changed since build last wrote it (a
+    learner's copy of the current release), otherwise with a line saying so and how to proceed, returned in
+    the list. Files of notebooks/<assignment>/ that the release does not hold (a learner's own) are left alone.
+    """
+    hashes, refused = built_hashes(), []
+    for new in sorted(p for p in (fresh / assignment).rglob("*") if p.is_file()):
+        rel = new.relative_to(fresh).as_posix()
+        dest, data = RELEASE / rel, new.read_bytes()
+        recorded, wanted = hashes.get(rel), _sha256_bytes(data)
+        here = dest.read_bytes() if dest.is_file() else None
+        if here is None or here == data or _sha256_bytes(here) == recorded or force:
+            if here != data:
+                if here is not None and _sha256_bytes(here) != recorded:
+                    print(f"build: --force: replaced notebooks/{rel}, which had been edited", flush=True)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(data)
+            hashes[rel] = wanted
+        elif recorded == wanted:
+            print(f"build: kept notebooks/{rel}: it has been edited (a learner's work?) and its release has not "
+                  "changed", flush=True)
+        else:
+            refused.append(
+                f"build: did not replace notebooks/{rel}: it differs from the release build last wrote there "
+                f"(a learner's work?), and the release generated from source/{assignment} has changed since. "
+                f"To keep that work, move it out of the way (e.g. `mv notebooks/{rel} my_{new.name}`) and build "
+                f"again, then copy your answers into the new release; to replace it and lose the edits, run "
+                f"`python -m autograder build {assignment} --force`.")
+            print(refused[-1], flush=True)
+    _write_built_hashes(hashes)
+    return refused
 
 
 def release(assignment: str, out: Path, db: Path) -> Path:
@@ -219,8 +281,12 @@ def carry_text(assignment: str) -> list[str]:
     return changed
 
 
-def build(only: list[str] | None = None, execute_solutions: bool = True) -> None:
-    """Regenerate everything generated from source/ (or from the assignments named in `only`)."""
+def build(only: list[str] | None = None, execute_solutions: bool = True, force: bool = False) -> list[str]:
+    """Regenerate everything generated from source/ (or from the assignments named in `only`).
+
+    Returns a line for each release notebook kept because a learner edited it and the release changed
+    (install_release); everything else is built all the same."""
+    refused = []
     with tempfile.TemporaryDirectory() as tmp:
         for assignment in only or assignments():
             print(f"build: {assignment}", flush=True)
@@ -228,11 +294,15 @@ def build(only: list[str] | None = None, execute_solutions: bool = True) -> None
                 print(f"build: wrote the set-up cell generated from pyproject.toml into source/{assignment}", flush=True)
             if write_figures(source_notebook(assignment)):
                 print(f"build: wrote the quoted figures of source/{assignment} from their results", flush=True)
-            release(assignment, RELEASE, Path(tmp) / "gradebook.db")
+            fresh = Path(tmp) / "release"
+            release(assignment, fresh, Path(tmp) / "gradebook.db")
+            kept = install_release(fresh, assignment, force)
             text = engine_source(assignment)
-            if text:
-                (ENGINE / f"{engine_module(assignment)}.py").write_text(text)
+            module = ENGINE / f"{engine_module(assignment)}.py"
+            if text and (not module.exists() or module.read_text() != text):
+                module.write_text(text)
             if _solution_is_current(assignment):
+                refused += kept
                 continue
             out = SOLUTIONS / assignment
             if execute_solutions:
@@ -241,13 +311,16 @@ def build(only: list[str] | None = None, execute_solutions: bool = True) -> None
                 nbformat.write(execute(solution_cells(assignment), out), out / f"{assignment}.ipynb")
                 if write_figures(source_notebook(assignment)):
                     # Figures the solution has just measured: only markdown changed, so its outputs stand.
-                    release(assignment, RELEASE, Path(tmp) / "gradebook.db")
+                    release(assignment, fresh, Path(tmp) / "gradebook.db")
+                    kept = install_release(fresh, assignment, force)
                     carry_text(assignment)
                     print(f"build: rewrote the figures {assignment} measures into its text", flush=True)
             elif (out / f"{assignment}.ipynb").exists():
                 changed = carry_text(assignment)
                 print(f"build: carried the new text into the executed solution of {assignment}, outputs kept"
                       + (f"; code cells not re-executed: {', '.join(changed)}" if changed else ""), flush=True)
+            refused += kept
+    return refused
 
 
 def drift(only: list[str] | None = None) -> list[str]:
@@ -266,6 +339,11 @@ def drift(only: list[str] | None = None) -> list[str]:
                 diff = difflib.unified_diff(committed.read_text().splitlines() if committed.exists() else [],
                                             fresh.read_text().splitlines(), lineterm="", n=1)
                 problems.append(f"notebooks/{assignment} differs from a fresh release:\n" + "\n".join(list(diff)[:40]))
+            hashes = built_hashes()
+            for new in sorted(p for p in fresh.parent.rglob("*") if p.is_file()):
+                rel = new.relative_to(fresh.parent.parent).as_posix()
+                if hashes.get(rel) != _sha256_bytes(new.read_bytes()):
+                    problems.append(f"notebooks/{BUILT} does not record the sha256 of a fresh release of {rel}")
             text = engine_source(assignment)
             module = ENGINE / f"{engine_module(assignment)}.py"
             if text and (not module.exists() or module.read_text() != text):
@@ -275,7 +353,7 @@ def drift(only: list[str] | None = None) -> list[str]:
     return problems
 
 
-def main(only: list[str], check: bool = False, execute_solutions: bool = True) -> int:
+def main(only: list[str], check: bool = False, execute_solutions: bool = True, force: bool = False) -> int:
     unknown = sorted(set(only) - set(assignments()))
     if unknown:
         print(f"build: no such assignment in source/: {', '.join(unknown)}")
@@ -284,5 +362,8 @@ def main(only: list[str], check: bool = False, execute_solutions: bool = True) -
         problems = drift(only)
         print("\n\n".join(problems) if problems else "build: notebooks/, solutions/ and the engine are current")
         return 1 if problems else 0
-    build(only, execute_solutions)
+    refused = build(only, execute_solutions, force)
+    if refused:
+        print("\n" + "\n".join(refused), file=sys.stderr)
+        return 1
     return 0

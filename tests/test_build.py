@@ -195,3 +195,69 @@ def test_carry_text_takes_new_cells_without_outputs(tmp_path, monkeypatch):
     nbformat.write(nb, build.source_notebook(assignment))
     with pytest.raises(ValueError, match="reordered"):
         build.carry_text(assignment)
+
+
+def test_build_keeps_a_learners_edited_release(tmp_path, monkeypatch, capsys):
+    """A release notebook a learner edited survives `build`: kept while its release is unchanged, refused by name
+    when the release changed (main exits 1 saying how to proceed), replaced only with --force; a learner's own
+    file beside it stays, and an untouched release notebook is replaced as before."""
+    import shutil
+
+    assignment = "01_online_softmax"
+    name = f"{assignment}/{assignment}.ipynb"
+    for folder in (build.RELEASE, build.SOLUTIONS):
+        shutil.copytree(folder / assignment, tmp_path / folder.name / assignment)
+    shutil.copy(build.RELEASE / build.BUILT, tmp_path / "notebooks" / build.BUILT)
+    shutil.copytree(build.ENGINE, tmp_path / "engine")
+    monkeypatch.setattr(build, "RELEASE", tmp_path / "notebooks")
+    monkeypatch.setattr(build, "SOLUTIONS", tmp_path / "solutions")
+    monkeypatch.setattr(build, "ENGINE", tmp_path / "engine")
+    notebook = tmp_path / "notebooks" / name
+    own = notebook.parent / "my_scratch.ipynb"
+    own.write_text("{}")
+
+    nb = nbformat.read(notebook, as_version=4)
+    stub = next(c for c in nb.cells if c.cell_type == "code" and "def tile_update" in c.source)
+    stub.source = stub.source.replace("raise NotImplementedError()", "return m, l, a  # the learner's work")
+    nbformat.write(nb, notebook)
+    edited = notebook.read_bytes()
+
+    assert build.build([assignment], execute_solutions=False) == []   # what `make build` does: the release is current
+    assert notebook.read_bytes() == edited
+    assert f"kept notebooks/{name}" in capsys.readouterr().out
+
+    real_release = build.release
+
+    def changed_release(assignment, out, db, paragraph="A paragraph new in source/."):
+        path = real_release(assignment, out, db)
+        fresh = nbformat.read(path, as_version=4)
+        fresh.cells.append(nbformat.v4.new_markdown_cell(paragraph))
+        nbformat.write(fresh, path)
+        return path
+
+    monkeypatch.setattr(build, "release", changed_release)
+    assert build.main([assignment], execute_solutions=False) == 1
+    message = capsys.readouterr().err
+    assert f"did not replace notebooks/{name}" in message and "--force" in message and "mv notebooks/" in message
+    assert notebook.read_bytes() == edited
+
+    assert build.build([assignment], execute_solutions=False, force=True) == []
+    replaced = notebook.read_text()
+    assert "A paragraph new in source/." in replaced and "the learner's work" not in replaced
+    assert own.read_text() == "{}"
+    assert build.built_hashes()[name] == build._sha256_bytes(notebook.read_bytes())
+
+    monkeypatch.setattr(build, "release", lambda *a: changed_release(*a, paragraph="Another new paragraph."))
+    assert build.build([assignment], execute_solutions=False) == []   # untouched since written: replaced
+    assert "Another new paragraph." in notebook.read_text()
+
+
+def test_demo_and_lab_write_no_release():
+    """`make demo` and `make lab` never regenerate notebooks/: the demo grades against a release the grader
+    generates from source/ in a folder of its own, and the lab only opens notebooks/."""
+    import subprocess
+
+    plan = subprocess.run(["make", "-n", "demo", "lab"], cwd=build.ROOT, capture_output=True, text=True,
+                          check=True).stdout
+    assert "-m autograder demo" in plan and "jupyter lab notebooks/" in plan
+    assert "autograder build" not in plan and "generate_assignment" not in plan
