@@ -142,13 +142,16 @@ def check_block_skipping(fn: Callable, cases: Iterable[ac.Case]) -> None:
             block_m = c.kwargs.get("block_m", 1)
             blocks = sorted({int(r) // block_m for r in bad.any(-1).nonzero()[:, 2]})
             windowed = c.kwargs.get("window") is not None
-            edge = ("after the last key the block's last query can see, or before the first key its first query "
-                    "can see (the window)" if windowed else "after the last key the block's last query can see")
+            last = "the block's last existing query (its last row below T)"
+            edge = (f"after the last key {last} can see, or before the first key its first query can see (the "
+                    "window)" if windowed else f"after the last key {last} can see")
             raise AssertionError(
                 f"{_name(fn)}, {c.describe()}: keys and values that no query may see were set to NaN, and the "
                 f"output has NaN at batch {b}, head {h}, query row {i} (query blocks {blocks}). The kernel loaded "
                 f"keys {edge}: masking their scores to -inf is not enough, since p = 0 times a NaN value is NaN. "
-                "Causal block skipping: end the loop at min(S, position of the block's last query + 1)"
+                "Causal block skipping: end the loop at min(S, offset + last_row + 1), where last_row = "
+                "min((block + 1) * BLOCK_M, T) - 1 is the block's last existing query row (rows from T on are "
+                "padding and see nothing)"
                 + (", and start it at the tile holding the first key the block's first query sees." if windowed
                    else "."))
         problem = _problem(fn, c, got)
