@@ -71,8 +71,9 @@ def test_checks_name_the_classic_kernel_bugs():
         kc.check_cases(ignores_offset, [c])
     # A stand-in for a kernel without block skipping: its output depends on every value, NaN ones too.
     reads_all = lambda q, k, v, **kw: flash_attention(q, k, v, **kw) + 0 * v.sum()  # noqa: E731
-    with pytest.raises(AssertionError, match="NaN"):
+    with pytest.raises(AssertionError, match="NaN") as caught:
         kc.check_block_skipping(reads_all, [c])
+    assert "last existing query row" in str(caught.value) and "min((block + 1) * BLOCK_M, T) - 1" in str(caught.value)
 
 
 def _release_cell(grade_id):
@@ -94,6 +95,7 @@ def test_release_gives_the_plumbing_and_leaves_the_loop():
     for written in ("q_pos = offset + rows", "stop = ", "tl.dot(", "tl.exp(", "acc / l"):
         assert written not in kernel, f"the release gives away {written!r}"
     assert kernel.count("raise NotImplementedError()") == 3
+    assert "define s" in _release_cell("score_tile"), "the score_tile stub should say that s is the learner's to define"
     wrapper = _release_cell("flash_attention")
     assert "flash_fwd_kernel[grid](" in wrapper and "raise NotImplementedError()" in wrapper
     assert "q_heads % kv_heads" not in wrapper and "query_offset is None" not in wrapper

@@ -91,6 +91,8 @@ def score_tile_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)      # [BLOCK_M] query indices
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)      # [BLOCK_N] key indices
     dims = tl.arange(0, D)                              # [D]
+    # Load the q block [BLOCK_M, D] and the k tile [BLOCK_N, D], masked, and define s: the [BLOCK_M, BLOCK_N]
+    # tile of scaled scores q kᵀ * scale, which the store below writes.
     q = tl.load(q_ptr + rows[:, None] * stride_qm + dims[None, :], mask=rows[:, None] < M, other=0.0)  # [BLOCK_M, D]
     k = tl.load(k_ptr + keys[:, None] * stride_kn + dims[None, :], mask=keys[:, None] < N, other=0.0)  # [BLOCK_N, D]
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                                       # [BLOCK_M, BLOCK_N]
