@@ -129,6 +129,40 @@ FUSED_WITH_MASK = '''def online_attention(q, k, v, query_positions=None, key_pos
     return out.to(q.dtype)
 '''
 
+# 06's attack of the same kind: one (batch, query head) at a time, each head's whole P = exp(S - lse) in one float32
+# [T, S] buffer turned into dS in place (dP made 512 rows at a time), so no more than one head's matrix is ever held.
+PER_HEAD_BACKWARD = '''def attention_backward(q, k, v, o, lse, do, query_positions=None, key_positions=None, tile=16):
+    """dq, dk, dv, one head at a time, each with its whole [T, S] matrix of P."""
+    if tile < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError("need tile >= 1 and Hq a multiple of Hkv")
+    b, hq, t, d = q.shape
+    s = k.shape[2]
+    group = hq // k.shape[1]
+    scale = d ** -0.5
+    qp = positions(query_positions, b, t, s - t, q.device)
+    kp = positions(key_positions, b, s, 0, q.device)
+    dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    for i in range(b):
+        for h in range(hq):
+            kv = h // group
+            qh, kh, vh, doh = (x.float() for x in (q[i, h], k[i, kv], v[i, kv], do[i, h]))
+            lse_h = lse[i, h, :, None].float()
+            lse_h = torch.where(torch.isfinite(lse_h), lse_h, torch.zeros_like(lse_h))   # rows with no key: P = 0
+            delta = (doh * o[i, h].float()).sum(-1, keepdim=True)
+            p = qh @ kh.T                                   # the head's whole [T, S] matrix, its only one
+            for r in range(0, t, 512):
+                rows = p[r:r + 512]
+                rows.mul_(scale).sub_(lse_h[r:r + 512]).exp_()
+                rows.masked_fill_(kp[i][None, :] > qp[i][r:r + 512, None], 0.0)
+            dv[i, kv] += (doh.T @ p).T
+            for r in range(0, t, 512):                      # P becomes dS = P * (dP - delta), in place
+                p[r:r + 512].mul_(doh[r:r + 512] @ vh.T - delta[r:r + 512])
+            dq[i, h] = scale * (p @ kh)
+            dk[i, kv] += scale * (qh.T @ p).T
+            del p, rows   # freed before the next head's: one head's matrix at a time
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+'''
+
 PLAIN_PYTORCH = '''def flash_attention(q, k, v, query_offset=None, block_m=32, block_n=32, window=None, **launch):
     """Causal attention in plain PyTorch: correct, but no Triton kernel."""
     B, H, T, D = q.shape
@@ -177,6 +211,8 @@ CASES = {  # student -> (assignment, notebook, expected points)
                         _without("03_online_attention", "test_online_attention_memory")),
     "fused_with_mask": ("03_online_attention", _replacing("03_online_attention", "online_attention", FUSED_WITH_MASK),
                         _without("03_online_attention", "test_online_attention_memory")),
+    "per_head_backward": ("06_backward", _replacing("06_backward", "attention_backward", PER_HEAD_BACKWARD),
+                          _without("06_backward", "test_attention_backward_memory")),
     "plain_pytorch": ("04_triton_flash", _replacing("04_triton_flash", "flash_attention", PLAIN_PYTORCH),
                       _without("04_triton_flash", "test_validation", "test_prefill", "test_offset", "test_query_offset",
                                "test_gqa", "test_block_skipping", "test_window", "test_window_skipping")),

@@ -17,8 +17,8 @@ padding in place (it also writes past the end of Δ). Under the interpreter prog
 so a dQ race cannot show on a CPU; compiled, test_flash_attention_backward also runs a case of 64 queries
 over 4096 keys five times, where many programs would add into the same rows of dQ at once.
 
-Memory has no hidden check: the visible one of its cell, measured from outside on a case scaled up
-until one [T, S] matrix takes 256 MiB (backward_checks.PROBE_MATRIX_BYTES), is as strong as a check
+Memory has no hidden check: the visible one of its cell, measured from outside on one head scaled up
+until its [T, S] matrix of P takes 512 MiB (backward_checks.PROBE_MATRIX_BYTES), is as strong as a check
 can be, and a second such probe would double the cell's time.
 """
 
