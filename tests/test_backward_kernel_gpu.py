@@ -67,6 +67,32 @@ def test_every_block_configuration(bw, monkeypatch):
         assert max(errors) < 2e-2, f"dK/dV {dkdv}, dQ {dq}: relative errors of dq, dk, dv {errors}"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [16, 64])
+def test_short_fp16_sequences_every_configuration(bw, monkeypatch, d, causal):
+    """fp16, T = S = 1, 2 and 3 under each dQ and dK/dV configuration: a key tile that is mostly padding.
+
+    A padded key loads as 0, so its score is 0 and P = exp(-lse) there: with a very negative lse that passes
+    fp16's 65504 when dS is rounded for the product, and inf times the padded key's 0 is NaN in dq."""
+    from flashcourse.bench_backward import _inputs, gradients, naive_attention
+
+    for t in (1, 2, 3):
+        _, k, v, do = _inputs(1, 2, 2, t, t, d, torch.float16)
+        q = -4 * k                                 # each query against its own key: a score of -4 sqrt(D)
+        o, lse = bw.flash_attention_lse(q, k, v, causal=causal)
+        for dkdv, dq in zip(list(bw.dkdv_tuned.configs), list(bw.dq_tuned.configs)):
+            for tuned, config in ((bw.dkdv_tuned, dkdv), (bw.dq_tuned, dq)):
+                monkeypatch.setattr(tuned, "configs", [config])
+                monkeypatch.setattr(tuned, "cache", {})
+            got = bw.flash_attention_backward(q, k, v, o, lse, do, causal=causal)
+            assert all(bool(g.isfinite().all()) for g in got), f"T = S = {t}, D = {d}, dQ {dq}: NaN or inf"
+            want = gradients(lambda q, k, v: naive_attention(q, k, v, causal), q.float(), k.float(), v.float(),
+                             do.float())
+            # Relative to the largest gradient, or to 1 where it is 0 (one key: dq = dk = 0 exactly).
+            errors = [float((a.float() - b).abs().max() / b.abs().max().clamp(min=1)) for a, b in zip(got, want)]
+            assert max(errors) < 2e-2, f"T = S = {t}, D = {d}, dK/dV {dkdv}, dQ {dq}: relative errors {errors}"
+
+
 @pytest.mark.parametrize("t, s, offset", [(300, 1000, None), (300, 1000, 200), (1000, 700, 0), (1000, 700, -250)])
 def test_query_offset(bw, t, s, offset):
     """Chunked prefill (T < S), T > S with every query after key 0, and queries before key 0 (zero gradients)."""

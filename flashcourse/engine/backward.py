@@ -340,10 +340,13 @@ def _dq_tile(
     qk_scale,                                # log2(e) / sqrt(D)
     D: tl.constexpr,                         # head dimension
     BLOCK_N: tl.constexpr,                   # keys per tile
-    MASKED: tl.constexpr,                    # True on the causal diagonal: hide keys after each query
+    MASKED: tl.constexpr,                    # True on the diagonal and the last tile: hide keys past S (and after each query if CAUSAL)
+    CAUSAL: tl.constexpr,                    # False: every query sees every key
     DOT_PRECISION: tl.constexpr,             # tl.dot's input_precision for FP32 inputs
 ):
-    """dQ += dS K over the keys n0 .. n0 + BLOCK_N - 1 (keys past S load as 0 and add nothing)."""
+    """dQ += dS K over the keys n0 .. n0 + BLOCK_N - 1. A key past S loads as 0, so its score is 0 and P = exp(-lse)
+    there, which overflows fp16 when lse is very negative (then inf times the key's 0 is NaN): a tile holding keys
+    past S is a MASKED one."""
     keys = n0 + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
     cols = tl.arange(0, D)                               # [D]
     key_ok = keys < S
@@ -352,7 +355,10 @@ def _dq_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                          # [BLOCK_M, BLOCK_N]
     p = tl.math.exp2(s * qk_scale - lse2[:, None])                                     # P rebuilt from L
     if MASKED:
-        p = tl.where(keys[None, :] <= q_pos[:, None], p, 0.0)
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)                        # [BLOCK_M, BLOCK_N] = dO V^T
     ds = p * (dp - delta[:, None])                                                     # dS = P ∘ (dP - Δ)
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)                  # dQ += dS K (scaled at the end)
@@ -407,13 +413,13 @@ def backward_dq_kernel(
         masked_from = (tl.minimum(diagonal, tl.maximum(stop, 0)) // BLOCK_N) * BLOCK_N
     else:
         stop = S
-        masked_from = S                                  # keys past S add nothing: no mask at all
+        masked_from = (S // BLOCK_N) * BLOCK_N           # only the last tile, which may run past S, is masked
     for n0 in range(0, masked_from, BLOCK_N):            # below the diagonal: no mask
         dq = _dq_tile(dq, q, do, lse2, delta, k_src, v_src, n0, q_pos, S, stride_ks, stride_vs, qk_scale,
-                      D, BLOCK_N, False, DOT_PRECISION)
-    for n0 in range(masked_from, stop, BLOCK_N):         # on the diagonal
+                      D, BLOCK_N, False, CAUSAL, DOT_PRECISION)
+    for n0 in range(masked_from, stop, BLOCK_N):         # on the diagonal (causal), the last tile (not)
         dq = _dq_tile(dq, q, do, lse2, delta, k_src, v_src, n0, q_pos, S, stride_ks, stride_vs, qk_scale,
-                      D, BLOCK_N, True, DOT_PRECISION)
+                      D, BLOCK_N, True, CAUSAL, DOT_PRECISION)
     dq = dq * sm_scale                                   # dQ = scale dS K, the scale applied once
     tl.store(dq_ptr + bh * T * D + rows[:, None] * D + cols[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=row_ok[:, None])
