@@ -679,7 +679,7 @@ def decode_sweep(lengths=SHORT_CACHES, q_heads=32, kv_heads=8, d=128) -> list[di
                                                        for c in caches]) / 1e9
         try:
             for block_n, warps, stages in DECODE_LAUNCHES:
-                fast_kernel.decode_launch = lambda device, launch=dict(BLOCK_N=block_n, num_warps=warps,
+                fast_kernel.decode_launch = lambda device, d=128, launch=dict(BLOCK_N=block_n, num_warps=warps,
                                                                        num_stages=stages): launch
                 for splits in DECODE_SPLITS:
                     tbs = kv_bytes / _or_nan(_graph_ms, [functools.partial(fast_kernel.fast_decode, *c, splits=splits)

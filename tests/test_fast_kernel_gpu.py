@@ -66,6 +66,15 @@ def test_long_decode(engine, batch, s):
     assert max_error(engine.fast_decode(q, k, v), q, k, v, False) < 1e-2
 
 
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_decode_every_head_dimension(engine, d):
+    """fast_decode at D = 16 to 256 (flash-attn takes up to 256): the split kernel's tiles fit in shared memory."""
+    from flashcourse.bench_fast import _inputs, max_error
+
+    q, k, v = _inputs(2, 8, 2, 1, 4099, d, torch.bfloat16)
+    assert max_error(engine.fast_decode(q, k, v), q, k, v, False) < 1e-2
+
+
 @pytest.mark.parametrize("persistent, head_group", [(True, None), (False, None), (True, 3), (False, 16)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_lpt_long_autotuned(engine, persistent, head_group, causal):

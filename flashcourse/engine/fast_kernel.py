@@ -334,16 +334,20 @@ def decode_merge_kernel(
     _merge_partials(m_ptr, l_ptr, acc_ptr, o_ptr, tl.program_id(0), splits, D, SPLITS_PAD)
 
 
-def decode_launch(device):
-    """The split kernel's tile, warps and stages: measured once, not autotuned.
+def decode_launch(device, d=128):
+    """The split kernel's tile, warps and stages for head dimension d: measured once, not autotuned.
 
-    Measured on the H200 over B = 1 and 8, S = 8k to 128k: 128 keys per tile, 4 warps and 3 stages were
-    best or within 2 % of it everywhere. Autotuning is no use here: its key would include S, which grows by
-    one at every generated token, so it would re-time the configs at every step.
+    Measured on the H200 over B = 1 and 8, S = 8k to 128k, D = 128: 128 keys per tile, 4 warps and 3 stages
+    were best or within 2 % of it everywhere. Autotuning is no use here: its key would include S, which grows
+    by one at every generated token, so it would re-time the configs at every step. Above D = 128, three
+    stages of 128-key K and V tiles would need more shared memory than a GPU has (268 KiB at D = 256, against
+    the H200's 227): half the keys and two stages.
     """
     device = torch.device(device)
     if device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if d > 128:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
     return dict(BLOCK_N=128, num_warps=4, num_stages=3)
 
 
@@ -377,7 +381,7 @@ def fast_decode(q, k, v, splits=None):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     group = q_heads // kv_heads
     chunk = triton.cdiv(triton.cdiv(s, splits), 16) * 16          # keys per split, a multiple of 16
-    launch = decode_launch(q.device)
+    launch = decode_launch(q.device, d)
     m = torch.empty(batch, q_heads, splits, device=q.device, dtype=torch.float32)       # [B, Hq, SPLITS]
     l = torch.empty_like(m)                                                              # [B, Hq, SPLITS]
     acc = torch.empty(batch, q_heads, splits, d, device=q.device, dtype=torch.float32)  # [B, Hq, SPLITS, D]
@@ -978,7 +982,7 @@ def fused_decode(q, k, v, splits=None):
         v.stride(0), v.stride(1), v.stride(2),
         s, chunk, kv_heads, group, LOG2E / math.sqrt(d),
         D=d, GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLITS_PAD=triton.next_power_of_2(splits),
-        **decode_launch(q.device),
+        **decode_launch(q.device, d),
     )
     return o
 
