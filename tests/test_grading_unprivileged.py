@@ -98,3 +98,45 @@ def test_the_jail_holds_for_an_ordinary_user():
         assert re.search(r"\b(1[0-9]|[2-9][0-9]) passed", run.stdout), run.stdout[-2000:]
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _work_attacks() -> dict:
+    """student -> (assignment, notebook, expected points): every submission of the suites that prove a point is
+    earned only by the work (kernels run by the grader, memory measured from outside, a ring measured per rank)."""
+    import test_grading_kernels as kernels
+    import test_grading_kernels_more as kernels_more
+    import test_grading_work as work
+
+    return {**work.CASES, **kernels_more.CASES,
+            **{s: (work.RING, nb, points) for s, (nb, points) in work.RING_CASES.items()},
+            **{s: (kernels.FLASH, nb, points) for s, (nb, points) in kernels.CASES.items()}}
+
+
+def test_points_need_the_work_for_an_ordinary_user():
+    """Graded by an ordinary user, each shortcut to a kernel, memory or ring point scores what it scores as root,
+    and each honest variant keeps full marks."""
+    import json
+
+    cases = _work_attacks()
+    work = Path(tempfile.mkdtemp(prefix="flashcourse-unprivileged-", dir="/tmp"))
+    try:
+        for student, (assignment, nb, _) in cases.items():
+            folder = work / "submitted" / student / assignment
+            folder.mkdir(parents=True)
+            (folder / f"{assignment}.ipynb").write_text(json.dumps(nb))
+        for path in [work, *work.rglob("*")]:
+            path.chmod(0o777 if path.is_dir() else 0o666)
+        env = {**os.environ, "HOME": str(work), "JUPYTER_RUNTIME_DIR": str(work / "runtime")}
+        run = subprocess.run(_as_ordinary_user([sys.executable, "-m", "autograder", "grade", str(work / "submitted"),
+                                                "--out", str(work / "out"), "--jobs", "2"], work),
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        got = {}
+        for line in (work / "out" / "grades.csv").read_text().splitlines()[1:]:
+            student, _, question, kind, points, _ = line.split(",")
+            if kind == "auto":
+                got.setdefault(student, {})[question] = float(points)
+        wrong = {s: got.get(s) for s, (_, _, points) in cases.items() if got.get(s) != points}
+        assert not wrong, (wrong, (work / "out" / "summary.txt").read_text()[-3000:])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
