@@ -258,7 +258,8 @@ def test_honest_kernels_are_taken_whole(cells, tmp_path):
     assert _loaded(world) == [NAME]
     text = _module_text(world)
     assert "autotune" not in text and "heuristics" not in text
-    assert isinstance(getattr(_import_module(text, tmp_path), NAME), triton.runtime.jit.JITFunction)
+    kernel = getattr(_import_module(text, tmp_path), NAME)   # compiled, or interpreted where the runtime chose so
+    assert isinstance(kernel, triton.runtime.jit.KernelInterface) and callable(kernel.fn)
 
 
 def test_a_kernel_imported_from_the_engine_is_not_taken():
