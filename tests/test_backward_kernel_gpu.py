@@ -67,10 +67,12 @@ def test_every_block_configuration(bw, monkeypatch):
         assert max(errors) < 2e-2, f"dK/dV {dkdv}, dQ {dq}: relative errors of dq, dk, dv {errors}"
 
 
+@pytest.mark.parametrize("atomic_dq", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [16, 64])
-def test_short_fp16_sequences_every_configuration(bw, monkeypatch, d, causal):
-    """fp16, T = S = 1, 2 and 3 under each dQ and dK/dV configuration: a key tile that is mostly padding.
+def test_short_fp16_sequences_every_configuration(bw, monkeypatch, d, causal, atomic_dq):
+    """fp16, T = S = 1, 2 and 3 under each dQ and dK/dV configuration, dq by its kernel or by atomics: a key tile
+    that is mostly padding.
 
     A padded key loads as 0, so its score is 0 and P = exp(-lse) there: with a very negative lse that passes
     fp16's 65504 when dS is rounded for the product, and inf times the padded key's 0 is NaN in dq."""
@@ -84,7 +86,7 @@ def test_short_fp16_sequences_every_configuration(bw, monkeypatch, d, causal):
             for tuned, config in ((bw.dkdv_tuned, dkdv), (bw.dq_tuned, dq)):
                 monkeypatch.setattr(tuned, "configs", [config])
                 monkeypatch.setattr(tuned, "cache", {})
-            got = bw.flash_attention_backward(q, k, v, o, lse, do, causal=causal)
+            got = bw.flash_attention_backward(q, k, v, o, lse, do, causal=causal, atomic_dq=atomic_dq)
             assert all(bool(g.isfinite().all()) for g in got), f"T = S = {t}, D = {d}, dQ {dq}: NaN or inf"
             want = gradients(lambda q, k, v: naive_attention(q, k, v, causal), q.float(), k.float(), v.float(),
                              do.float())

@@ -230,7 +230,7 @@ def _dkdv_tile(
     dq_src,                                  # with ATOMIC_DQ: this (batch, query head)'s FP32 dq at query 0
     m0,                                      # first query of the tile
     keys,                                    # [BLOCK_N] key indices
-    offset, T,                               # position of query 0; number of queries
+    offset, T, S,                            # position of query 0; number of queries and of keys
     stride_qt, stride_dot,                   # q's and do's strides over queries
     qk_scale,                                # log2(e) / sqrt(D)
     sm_scale,                                # 1 / sqrt(D) (with ATOMIC_DQ: dq's factor)
@@ -260,6 +260,9 @@ def _dkdv_tile(
     ds_t = p_t * (dp_t - delta[None, :])                                               # dS^T = P^T ∘ (dP^T - Δ)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)                # dK += dS^T Q (scaled at the end)
     if ATOMIC_DQ:  # dQ += dS K, added into FP32 memory that every key block of this row also adds to
+        # A key past S loads as 0, so its P = exp(-lse) may overflow (fp16, or any dtype for lse < -88): its dS
+        # must be 0 before the product with its 0, or inf times 0 puts NaN in dq.
+        ds_t = tl.where((keys < S)[:, None], ds_t, 0.0)
         dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION)      # [BLOCK_M, D]
         tl.atomic_add(dq_src + rows[:, None] * D + cols[None, :], dq * sm_scale, mask=row_ok[:, None])
     return dk, dv
@@ -317,11 +320,11 @@ def backward_dkdv_kernel(
         do_src = do_ptr + b * stride_dob + h * stride_doh
         for m0 in range(start, unmasked_from, BLOCK_M):  # on the diagonal: masked
             dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr + bh * T, delta_ptr + bh * T,
-                                dq_ptr + bh * T * D, m0, keys, offset, T, stride_qt, stride_dot, qk_scale, sm_scale,
+                                dq_ptr + bh * T * D, m0, keys, offset, T, S, stride_qt, stride_dot, qk_scale, sm_scale,
                                 D, BLOCK_M, True, ATOMIC_DQ, DOT_PRECISION)
         for m0 in range(unmasked_from, T, BLOCK_M):      # after it: every key visible, no mask
             dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr + bh * T, delta_ptr + bh * T,
-                                dq_ptr + bh * T * D, m0, keys, offset, T, stride_qt, stride_dot, qk_scale, sm_scale,
+                                dq_ptr + bh * T * D, m0, keys, offset, T, S, stride_qt, stride_dot, qk_scale, sm_scale,
                                 D, BLOCK_M, False, ATOMIC_DQ, DOT_PRECISION)
     dk = dk * sm_scale                                   # dK = scale dS^T Q, the scale applied once
     out = bkv * S * D + keys[:, None] * D + cols[None, :]  # dk and dv are contiguous [B, Hkv, S, D]
