@@ -32,6 +32,24 @@ def graded_samples(tmp_path_factory):
     return [s for o in outcomes for s in o.scores], out / "grades"
 
 
+def grade_submissions(root: Path, notebooks: dict[str, tuple[str, dict]]) -> tuple[dict, Path]:
+    """Hand in each student's (assignment, notebook) under root/submitted and grade them all in one batch, two at
+    a time: ({student: outcome}, the output folder)."""
+    from autograder import grade
+
+    for student, (assignment, nb) in notebooks.items():
+        folder = root / "submitted" / student / assignment
+        folder.mkdir(parents=True)
+        (folder / f"{assignment}.ipynb").write_text(json.dumps(nb))
+    outcomes = grade.grade(root / "submitted", root / "out", jobs=2, progress=False)
+    return {o.student: o for o in outcomes}, root / "out"
+
+
+def auto_points(outcome) -> dict[str, float]:
+    """grade cell -> points of an outcome's automatically graded cells."""
+    return {s.question: s.points for s in outcome.scores if s.kind == "auto"}
+
+
 def expected_scores() -> dict[str, dict[str, dict[str, float]]]:
     """assignment -> student -> grade cell -> points, from autograder/samples/expected/*.json."""
     return {p.stem: json.loads(p.read_text()) for p in sorted((SAMPLES / "expected").glob("*.json"))}

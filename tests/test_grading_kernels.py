@@ -15,8 +15,8 @@ import json
 import nbformat
 import pytest
 
-from autograder import grade, jail, kernel_world
-from conftest import SAMPLES, expected_scores
+from autograder import jail, kernel_world
+from conftest import SAMPLES, auto_points, expected_scores, grade_submissions
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")]
@@ -113,19 +113,14 @@ CASES = {  # student -> (notebook, expected points)
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kernels")
-    for student, (nb, _) in CASES.items():
-        folder = root / "submitted" / student / FLASH
-        folder.mkdir(parents=True)
-        (folder / f"{FLASH}.ipynb").write_text(json.dumps(nb))
-    return {o.student: o for o in grade.grade(root / "submitted", root / "out", jobs=2, progress=False)}, root / "out"
+    return grade_submissions(tmp_path_factory.mktemp("kernels"), {s: (FLASH, nb) for s, (nb, _) in CASES.items()})
 
 
 @pytest.mark.parametrize("student", CASES)
 def test_kernel_points_need_the_kernel(graded, student):
     """Each shortcut loses the kernel's points and keeps the rest; the kernel written otherwise keeps all."""
     outcomes, _ = graded
-    got = {s.question: s.points for s in outcomes[student].scores if s.kind == "auto"}
+    got = auto_points(outcomes[student])
     assert got == CASES[student][1], (got, outcomes[student].problem, outcomes[student].anomalies)
 
 

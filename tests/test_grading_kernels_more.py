@@ -26,9 +26,8 @@ import pytest
 import torch
 
 import test_launches
-from autograder import grade, jail, kernel_world
-from autograder.preprocessors import is_test_cell
-from conftest import ROOT, SAMPLES, expected_scores
+from autograder import jail, kernel_world
+from conftest import ROOT, SAMPLES, auto_points, expected_scores, grade_submissions
 
 needs_jail = pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
 FLASH, FAST, BACKWARD = "04_triton_flash", "05_fast_kernel", "06_backward"
@@ -143,12 +142,7 @@ CASES = {  # student -> (assignment, notebook, expected points)
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kernels_more")
-    for student, (assignment, nb, _) in CASES.items():
-        folder = root / "submitted" / student / assignment
-        folder.mkdir(parents=True)
-        (folder / f"{assignment}.ipynb").write_text(json.dumps(nb))
-    return {o.student: o for o in grade.grade(root / "submitted", root / "out", jobs=2, progress=False)}, root / "out"
+    return grade_submissions(tmp_path_factory.mktemp("kernels_more"), {s: (a, nb) for s, (a, nb, _) in CASES.items()})
 
 
 @pytest.mark.parametrize("student", CASES)
@@ -157,7 +151,7 @@ def graded(tmp_path_factory):
 def test_points_need_the_learners_kernels(graded, student):
     """Each shortcut loses what the learner's kernel or backward is worth and keeps exactly the rest."""
     outcomes, _ = graded
-    got = {s.question: s.points for s in outcomes[student].scores if s.kind == "auto"}
+    got = auto_points(outcomes[student])
     assert got == CASES[student][2], (got, outcomes[student].problem, outcomes[student].anomalies)
 
 

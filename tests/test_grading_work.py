@@ -15,7 +15,7 @@ import pytest
 
 from autograder import grade, jail
 from flashcourse import DEVICE_ENV
-from conftest import SAMPLES, expected_scores
+from conftest import SAMPLES, auto_points, expected_scores, grade_submissions
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")]
@@ -221,19 +221,14 @@ CASES = {  # student -> (assignment, notebook, expected points)
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    root = tmp_path_factory.mktemp("work")
-    for student, (assignment, nb, _) in CASES.items():
-        folder = root / "submitted" / student / assignment
-        folder.mkdir(parents=True)
-        (folder / f"{assignment}.ipynb").write_text(json.dumps(nb))
-    return {o.student: o for o in grade.grade(root / "submitted", root / "out", jobs=2, progress=False)}, root / "out"
+    return grade_submissions(tmp_path_factory.mktemp("work"), {s: (a, nb) for s, (a, nb, _) in CASES.items()})
 
 
 @pytest.mark.parametrize("student", CASES)
 def test_no_points_without_the_work(graded, student):
     """Each shortcut loses exactly the points of what it did not do, and nothing else."""
     outcomes, _ = graded
-    got = {s.question: s.points for s in outcomes[student].scores if s.kind == "auto"}
+    got = auto_points(outcomes[student])
     assert got == CASES[student][2], (got, outcomes[student].problem, outcomes[student].anomalies)
 
 
@@ -265,19 +260,14 @@ RING_CASES = {  # student -> (notebook, expected points): 07's ring points need 
 
 @pytest.fixture(scope="module")
 def graded_rings(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rings")
-    for student, (nb, _) in RING_CASES.items():
-        folder = root / "submitted" / student / RING
-        folder.mkdir(parents=True)
-        (folder / f"{RING}.ipynb").write_text(json.dumps(nb))
-    return {o.student: o for o in grade.grade(root / "submitted", root / "out", jobs=2, progress=False)}, root / "out"
+    return grade_submissions(tmp_path_factory.mktemp("rings"), {s: (RING, nb) for s, (nb, _) in RING_CASES.items()})
 
 
 @pytest.mark.parametrize("student", RING_CASES)
 def test_ring_points_need_a_ring(graded_rings, student):
     """all_gather, or reading other ranks' shards, loses the ring cells; rings written other ways keep them."""
     outcomes, _ = graded_rings
-    got = {s.question: s.points for s in outcomes[student].scores if s.kind == "auto"}
+    got = auto_points(outcomes[student])
     assert got == RING_CASES[student][1], (got, outcomes[student].problem, outcomes[student].anomalies)
 
 
