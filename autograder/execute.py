@@ -343,7 +343,7 @@ class JailedExecute(NbGraderPreprocessor):
             session.run_cell(self.given, "the given helpers")
         printed = io.StringIO()
         error = self._exec_test(grade_id, source, stand_ins, [session], printed)
-        used = _loaded_names(source) & set(kernel_run.stand_ins) if kernel_run else set()
+        used = _names_in(source) & set(kernel_run.stand_ins) if kernel_run else set()
         if error is None and used:
             error = self._exec_test(grade_id, source, {**stand_ins, **kernel_run.stand_ins},
                                     [session, kernel_run.session], io.StringIO())
@@ -393,9 +393,10 @@ def _test_parts(source: str) -> list[tuple[str, bool]]:
     return parts
 
 
-def _loaded_names(source: str) -> set[str]:
+def _names_in(source: str) -> set[str]:
+    """The names a test cell reads (kernel_world's reading of a statement); none if it does not parse."""
     try:
-        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+        return kernel_world.loaded_names(ast.parse(source))
     except SyntaxError:
         return set()
 

@@ -69,13 +69,13 @@ def _binds(statement: ast.stmt) -> list[str]:
     return []
 
 
-def _loaded_names(node: ast.AST) -> set[str]:
+def loaded_names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def _free_names(statement: ast.stmt) -> set[str]:
     """Names a top-level statement reads from the module (a function's own parameters and locals left out)."""
-    loaded = _loaded_names(statement)
+    loaded = loaded_names(statement)
     if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)):
         args = statement.args
         local = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
