@@ -18,10 +18,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYT
 
 from nbgrader.converters import GenerateAssignment  # noqa: E402
 
-from autograder import execute, feedback_page, links, preprocessors  # noqa: E402  (needs ROOT on sys.path)
+from autograder.grading import execute, feedback_page, links, preprocessors  # noqa: E402  (needs ROOT on sys.path)
 
 # A student whose submitted/ or autograded/ folder holds a symbolic link is refused before nbgrader copies or
-# runs anything of it (autograder/links.py): nbgrader would follow the link.
+# runs anything of it (autograder/grading/links.py): nbgrader would follow the link.
 links.install()
 
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
@@ -34,7 +34,7 @@ c.CourseDirectory.db_url = "sqlite:///" + os.path.join(ROOT, "gradebook.db")
 
 # The whole notebook is graded, including the set-up cell: a slow CPU and Triton's interpreter
 # need more than nbgrader's 30 s default for one cell; a cell past its limit stops its kernel, and
-# a fresh one takes over for the later cells (autograder/execute.py).
+# a fresh one takes over for the later cells (autograder/grading/execute.py).
 c.JailedExecute.timeout = 300
 
 # nbgrader's own list, then a stamp saying the release is generated from source/.
@@ -54,7 +54,7 @@ c.Autograde.sanitize_preprocessors = [
 ]
 
 # The learner's cells run in a jail; the test cells run in this process, calling the learner's
-# functions in the jail with data in and data out (autograder/execute.py). Without a working jail
+# functions in the jail with data in and data out (autograder/grading/execute.py). Without a working jail
 # nothing is run, unless --JailedExecute.trusted=True says the notebooks are trusted (the samples).
 # Only an exception fails a test: warnings on stderr (torch and Triton print some) cost nothing.
 c.Autograde.autograde_preprocessors = [
@@ -77,5 +77,5 @@ c.GenerateFeedback.preprocessors = [
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
 ]
 # The rendered page is sanitized and carries a Content-Security-Policy: nothing the learner wrote or printed
-# runs or loads anything in whoever opens it (autograder/feedback_page.py).
+# runs or loads anything in whoever opens it (autograder/grading/feedback_page.py).
 c.GenerateFeedback.exporter_class = feedback_page.FeedbackPage

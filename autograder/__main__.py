@@ -7,7 +7,10 @@ from pathlib import Path
 
 from flashcourse import DEVICE_ENV
 
-from . import ROOT, build, cluster, grade, jail
+from autograder import ROOT
+from autograder.building import build
+from autograder.grading import cluster, batch as grade
+from autograder.jail import sandbox as jail
 
 SAMPLES = ROOT / "autograder" / "samples" / "submitted"
 

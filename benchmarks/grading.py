@@ -2,11 +2,11 @@
 
     python benchmarks/grading.py SUBMISSIONS [--out DIR] [--jobs N] [--json FILE] [--class-of N]
 
-SUBMISSIONS is laid out as for `python -m autograder grade` (a class from `python -m autograder.classroom`,
+SUBMISSIONS is laid out as for `python -m autograder grade` (a class from `python -m autograder.building.classroom`,
 or autograder/samples/submitted). The notebooks are graded by grade.grade, jail on, exactly as the
 command line grades them; each call of grade.grade_one is timed from outside and printed as it ends. The load averages
 (/proc/loadavg) are read before and after: on a shared machine they say how much of the wall time
-was someone else's. With --class-of N, SUBMISSIONS is taken to be `python -m autograder.classroom N`'s
+was someone else's. With --class-of N, SUBMISSIONS is taken to be `python -m autograder.building.classroom N`'s
 class, and every learner's points are compared with the sample they handed in (a cheat's with the
 buggy sample it started from, which it must not beat).
 """
@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autograder import classroom, grade  # noqa: E402
+from autograder.building import classroom  # noqa: E402
+from autograder.grading import batch as grade, submission
 
 
 def load() -> str:
@@ -76,9 +77,9 @@ def main() -> int:
     return 1 if wrong else 0
 
 
-def unexpected(outcomes: list[grade.Outcome], learners: int) -> list[str]:
+def unexpected(outcomes: list[submission.Outcome], learners: int) -> list[str]:
     """A line for each notebook of the class whose points differ from its sample's (exceed them, for a cheat)."""
-    on_gpu = frozenset(a for a in classroom.samples() if grade.on_gpu(grade.device_for(a)))
+    on_gpu = frozenset(a for a in classroom.samples() if submission.on_gpu(submission.device_for(a)))
     limits, lines = classroom.expected_at_most(learners, on_gpu), []
     cheats = {key for key, source in classroom.plan(learners).items() if source in classroom.CHEATS}
     for outcome in outcomes:

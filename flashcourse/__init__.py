@@ -1,25 +1,41 @@
 """flashcourse: the library behind the FlashAttention course notebooks.
 
-runtime           decides once between a GPU and the Triton interpreter (every notebook starts with it)
-reference         the unfused attention spec every check compares with (float64 ground truth)
-positions         the absolute positions of queries and keys (answers no exercise: graded notebooks import it)
-recurrence        the online-softmax recurrence as data, tile by tile, with the classic bugs injectable
-checks            01's checks: failure messages name the tile, the statistic and the likely mistake
-attention_checks  the same for tensors (03 onwards): GQA mapping, offsets, masks, scale, NaN rows
-kernel_checks     the same for Triton kernels (04 onwards): block skipping, windows, dtypes
-warmup_checks     04's Triton warm-up: the PyTorch specs of four small kernels and checks that name masks,
-                  strides, an unsubtracted maximum or counted masked lanes
-backward_checks   06's checks: o and lse, and gradients against autograd, naming Delta left out or wrong, P rebuilt
-                  without l or in the wrong base, the scale, the mask, dk/dv not summed over a GQA group, NaN rows
-ring_checks       07's checks: the (o, lse) merge, the zigzag layout, rings run on real process groups
-distributed       runs a function on P local ranks of a torch.distributed group (answers no exercise)
-memory            an allocation tracker, to show what the unfused and tiled versions keep alive
-widgets           the tile explorer and the causal block picture
-selfcheck         `python -m flashcourse.selfcheck NOTEBOOK`: run a notebook's visible tests
-bench             GPU benchmarks against torch's scaled_dot_product_attention
-bench_ring        07's ring on P GPUs with NCCL, timed beside one GPU's SDPA
-engine            the finished implementations, generated from the solution cells of source/
+The package's own modules are the learner's library: what a notebook imports that answers no exercise.
+The grading jail holds exactly these files (autograder/jail/sandbox.py, `kept_modules`).
+
+runtime      decides once between a GPU and the Triton interpreter (every notebook starts with it)
+positions    the absolute positions of queries and keys, and the checks of a kernel's inputs
+memory       an allocation tracker, to show what the unfused and tiled versions keep alive
+distributed  runs a function on P local ranks of a torch.distributed group
+selfcheck    `python -m flashcourse.selfcheck NOTEBOOK`: run a notebook's visible tests
+
+Its subpackages serve others, and the jail holds none of them:
+
+checks       the recognisers of mistakes, one module per assignment over a shared core, and the
+             reference they compare with (what the test cells call)
+explore      the tile explorer and the causal block picture (they draw the right answer beside yours)
+engine       the finished implementations, one module per kernel family, generated from source/
+bench        what the notebooks show of the course's GPU: measured results and the sweeps that made them
+
+The instructor's benchmarks of the backward and the ring, and the GPT trainer, are in instructor/ at the
+course's root, outside what learners install.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 DEVICE_ENV = "FLASHCOURSE_DEVICE"  # "cpu" or "cuda" overrides runtime's choice of device ("auto", or unset, does not)
+
+# Where modules of the previous release went, so that a notebook saved with the old imports still runs.
+# One release only: the next one drops this table.
+MOVED = {"attention_checks": "flashcourse.checks.core", "kernel_checks": "flashcourse.checks.triton_flash",
+         "warmup_checks": "flashcourse.checks.triton_warmup", "backward_checks": "flashcourse.checks.backward",
+         "ring_checks": "flashcourse.checks.ring_attention", "reference": "flashcourse.checks.reference",
+         "recurrence": "flashcourse.checks.recurrence", "widgets": "flashcourse.explore.widgets",
+         "bench_fast": "flashcourse.bench.fast"}
+
+
+def __getattr__(name: str):
+    if name in MOVED:
+        return importlib.import_module(MOVED[name])
+    raise AttributeError(f"module 'flashcourse' has no attribute {name!r}")

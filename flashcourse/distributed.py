@@ -99,7 +99,7 @@ def call_on_ranks(fn, rank_args, *, backend: str = "gloo", timeout_s: float = DE
     A stand-in for a function that lives in another process (the grader's view of a learner's function)
     has its own call_on_ranks, which starts the ranks over there; it is used when present. There each
     rank receives only its own arguments and, given an allowance (bytes), a rank whose peak memory passed
-    it fails the call (autograder/jail.py, Jail.call_on_ranks). Here, where the ranks are forked from this
+    it fails the call (autograder/jail/sandbox.py, Jail.call_on_ranks). Here, where the ranks are forked from this
     process and so hold what it holds, the allowance is not measured.
     """
     elsewhere = getattr(fn, "call_on_ranks", None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import DEVICE_ENV
+from flashcourse import DEVICE_ENV
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def graded_samples(tmp_path_factory):
     """Grade every sample submission once with the real nbgrader pipeline: (scores, output folder)."""
-    from autograder import grade
+    from autograder.grading import batch as grade
 
     out = tmp_path_factory.mktemp("graded")
     submissions = out / "submitted"
@@ -35,7 +35,7 @@ def graded_samples(tmp_path_factory):
 def grade_submissions(root: Path, notebooks: dict[str, tuple[str, dict]]) -> tuple[dict, Path]:
     """Hand in each student's (assignment, notebook) under root/submitted and grade them all in one batch, two at
     a time: ({student: outcome}, the output folder)."""
-    from autograder import grade
+    from autograder.grading import batch as grade
 
     for student, (assignment, nb) in notebooks.items():
         folder = root / "submitted" / student / assignment

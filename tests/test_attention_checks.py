@@ -1,12 +1,12 @@
-"""flashcourse.attention_checks: correct implementations pass, each classic mistake is named."""
+"""flashcourse.checks.core: correct implementations pass, each classic mistake is named."""
 
 import math
 
 import pytest
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import reference
+from flashcourse.checks import core as ac
+from flashcourse.checks import reference
 from flashcourse.positions import positions
 
 

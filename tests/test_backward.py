@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from autograder.hidden import backward as hidden
-from flashcourse import attention_checks as ac
-from flashcourse import backward_checks as bc
+from flashcourse.checks import core as ac
+from flashcourse.checks import backward as bc
 from flashcourse.engine import backward as engine
 
 PADDING = 10**6

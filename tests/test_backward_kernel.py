@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import backward_checks as bc
-from flashcourse import reference, runtime
-from flashcourse.bench_backward import engine
+from flashcourse.checks import core as ac
+from flashcourse.checks import backward as bc
+from flashcourse import runtime
+from flashcourse.checks import reference
+from instructor.bench_backward import engine
 
 RT = runtime.current()
 pytestmark = pytest.mark.skipif(not RT.interpret, reason="the interpreter's float32 run; the GPU has its own tests")

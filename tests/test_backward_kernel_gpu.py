@@ -12,19 +12,19 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def bw():
-    from flashcourse.bench_backward import engine
+    from instructor.bench_backward import engine
 
     return engine()
 
 
 def _relative_errors(got, q, k, v, do, causal, query_offset=None):
     """max |got - want| / max |want| for (dq, dk, dv), want by FP32 autograd of the naive attention."""
-    from flashcourse.bench_backward import gradients, naive_attention
+    from instructor.bench_backward import gradients, naive_attention
 
     if query_offset is None:
         attention = lambda q, k, v: naive_attention(q, k, v, causal)  # noqa: E731
     else:  # queries at query_offset + i: the naive attention over a longer query axis, cut to the last T rows
-        from flashcourse import reference
+        from flashcourse.checks import reference
 
         qp = query_offset + torch.arange(q.shape[2], device=q.device)
         mask = reference.visible_mask(q, k, query_positions=qp)                 # [1, 1, T, S]
@@ -42,7 +42,7 @@ def _relative_errors(got, q, k, v, do, causal, query_offset=None):
                                               (torch.float16, 128, True)])
 def test_gradients_against_fp32(bw, dtype, d, causal):
     """T = S = 1000 (no block divides it), GQA 8/2, autotuned: dq, dk, dv within 2 % of FP32's largest gradient."""
-    from flashcourse.bench_backward import _inputs
+    from instructor.bench_backward import _inputs
 
     q, k, v, do = _inputs(2, 8, 2, 1000, 1000, d, dtype)
     o, lse = bw.flash_attention_lse(q, k, v, causal=causal)
@@ -54,7 +54,7 @@ def test_gradients_against_fp32(bw, dtype, d, causal):
 
 def test_every_block_configuration(bw, monkeypatch):
     """Each autotuned configuration of the dK/dV and dQ kernels on its own, causal, T = 1000 over S = 1337."""
-    from flashcourse.bench_backward import _inputs
+    from instructor.bench_backward import _inputs
 
     q, k, v, do = _inputs(1, 8, 2, 1000, 1337, 128, torch.bfloat16)
     o, lse = bw.flash_attention_lse(q, k, v)
@@ -76,7 +76,7 @@ def test_short_fp16_sequences_every_configuration(bw, monkeypatch, d, causal, at
 
     A padded key loads as 0, so its score is 0 and P = exp(-lse) there: with a very negative lse that passes
     fp16's 65504 when dS is rounded for the product, and inf times the padded key's 0 is NaN in dq."""
-    from flashcourse.bench_backward import _inputs, gradients, naive_attention
+    from instructor.bench_backward import _inputs, gradients, naive_attention
 
     for t in (1, 2, 3):
         _, k, v, do = _inputs(1, 2, 2, t, t, d, torch.float16)
@@ -98,7 +98,7 @@ def test_short_fp16_sequences_every_configuration(bw, monkeypatch, d, causal, at
 @pytest.mark.parametrize("t, s, offset", [(300, 1000, None), (300, 1000, 200), (1000, 700, 0), (1000, 700, -250)])
 def test_query_offset(bw, t, s, offset):
     """Chunked prefill (T < S), T > S with every query after key 0, and queries before key 0 (zero gradients)."""
-    from flashcourse.bench_backward import _inputs
+    from instructor.bench_backward import _inputs
 
     q, k, v, do = _inputs(1, 4, 1, t, s, 64, torch.bfloat16)
     o, lse = bw.flash_attention_lse(q, k, v, offset)
@@ -115,7 +115,7 @@ def test_query_offset(bw, t, s, offset):
 
 def test_dq_deterministic(bw):
     """30 backward passes at T = S = 4096 give dq, dk and dv the same bit for bit (no race on dq)."""
-    from flashcourse.bench_backward import _inputs
+    from instructor.bench_backward import _inputs
 
     q, k, v, do = _inputs(1, 8, 2, 4096, 4096, 128, torch.bfloat16)
     o, lse = bw.flash_attention_lse(q, k, v)
@@ -132,7 +132,7 @@ def test_train_matches_sdpa(bw):
     """flash_attention_train through loss.backward(): the same gradients as SDPA's is_causal=True, bf16, GQA."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    from flashcourse.bench_backward import _inputs
+    from instructor.bench_backward import _inputs
 
     q, k, v, do = _inputs(2, 8, 2, 777, 777, 64, torch.bfloat16)
     grads = []
@@ -222,8 +222,8 @@ def _racy_backward(bw, atomic: bool):
 def test_dq_race_is_caught(bw):
     """64 queries over 4096 keys in FP32, 64 programs adding into the same rows of dQ: the repeated check fails
     a load-add-store every time and names the race; atomics and the engine's two dQ paths pass it."""
-    from flashcourse import attention_checks as ac
-    from flashcourse import backward_checks as bc
+    from flashcourse.checks import core as ac
+    from flashcourse.checks import backward as bc
 
     crowded = ac.make_case("64 queries over 4096 keys", batch=1, q_heads=1, kv_heads=1, t=64, s=4096, d=64,
                            query_offset=4095, seed=7, dtype=torch.float32, device="cuda")

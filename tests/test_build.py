@@ -3,7 +3,7 @@
 import nbformat
 import pytest
 
-from autograder import build
+from autograder.building import build
 
 ASSIGNMENTS = build.assignments()
 SETUP_MARKERS = ('if "google.colab" in sys.modules:', "%pip install", "from flashcourse import runtime",
@@ -88,7 +88,7 @@ def _free_names(code: str) -> set[str]:
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_test_cells_are_self_contained(assignment):
     """A test cell uses only its own imports and the graded functions: the grader reruns it on its own."""
-    from autograder.preprocessors import graded_names, is_test_cell
+    from autograder.grading.preprocessors import graded_names, is_test_cell
 
     source = _source(assignment)
     graded = set(graded_names(source))
@@ -105,7 +105,7 @@ def test_demo_cells_define_nothing_later_cells_use(assignment):
     """Grading leaves out the cells tagged demo: no later cell may read a name that a demo cell bound last."""
     from IPython.core.inputtransformer2 import TransformerManager
 
-    from autograder.execute import DEMO
+    from autograder.grading.execute import DEMO
 
     as_python = TransformerManager().transform_cell    # %pip and friends become plain calls
     from_demo: dict[str, str] = {}   # name -> id of the demo cell that bound it last

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from autograder import cluster, grade, jail
+from autograder.grading import cluster, batch as grade
+from autograder.jail import sandbox as jail
 from conftest import ROOT, SAMPLES, expected_scores
 
 pytestmark = pytest.mark.slow

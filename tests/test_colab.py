@@ -16,7 +16,7 @@ import nbformat
 import pytest
 from packaging.requirements import Requirement
 
-from autograder import build
+from autograder.building import build
 from conftest import ROOT
 
 ASSIGNMENTS = build.assignments()

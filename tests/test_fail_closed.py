@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autograder import ROOT
-from autograder.grade import nbgrader_cmd, register
+from autograder.grading.submission import nbgrader_cmd, register
 from conftest import SAMPLES, expected_scores
 
 pytestmark = pytest.mark.slow

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import kernel_checks as kc
-from flashcourse import reference, runtime
+from flashcourse.checks import core as ac
+from flashcourse.checks import triton_flash as kc
+from flashcourse import runtime
+from flashcourse.checks import reference
 from flashcourse.engine.fast_kernel import fast_attention, fast_decode
 
 RT = runtime.current()
@@ -96,7 +97,7 @@ def test_engine_passes_hidden_validation():
                                       "test_decode", "test_validation"])
 def test_visible_cells_pass_the_engine(grade_id):
     """05's visible test cells (hidden tests removed), run on the exported engine."""
-    from autograder import build
+    from autograder.building import build
 
     cell = next(c for c in build.solution_cells("05_fast_kernel").cells
                 if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
@@ -155,7 +156,7 @@ def test_lpt_programs_are_fewer_than_items_when_persistent():
 
 def test_grid_tail_simulation():
     """Longest first across all heads ends the grid at least as evenly as longest first per head."""
-    from flashcourse.bench_fast import tail
+    from flashcourse.bench.fast import tail
 
     for t in (1024, 16384):
         result = tail(t, 32768 // t, 32, 64, 64)
@@ -440,7 +441,7 @@ def test_decode_tickets_refuse_to_allocate_inside_a_capture(monkeypatch):
 
 def test_decode_fused_report():
     """--decode-fused's table: one row per (B, S), the shares of the same-bytes copy as percentages."""
-    from flashcourse.bench_fast import decode_fused_report
+    from flashcourse.bench.fast import decode_fused_report
 
     row = {"batch": 1, "s": 8192, "splits": 16, "copy_same_bytes": 3.0, "fused_decode": 2.7, "fast_decode": 2.5,
            "SDPA cuDNN": 2.0, "fused_decode error": 1e-3, "fast_decode error": 1e-3}
@@ -452,7 +453,7 @@ def test_decode_fused_report():
 
 def test_hopper_report():
     """--hopper's table: one row per shape, the ratios to cuDNN and to fast_attention from its columns."""
-    from flashcourse.bench_fast import HOPPER_SCHEDULES, hopper_report
+    from flashcourse.bench.fast import HOPPER_SCHEDULES, hopper_report
 
     row = {"dtype": "bf16", "causal": True, "d": 128, "q_heads": 32, "kv_heads": 8, "t": 1024, "batch": 32,
            "fast_attention": 400.0, "hopper_attention": 500.0, "SDPA cuDNN": 500.0, "SDPA flash": 250.0,
@@ -468,7 +469,7 @@ def test_hopper_report():
 def test_hopper_bench_refuses_a_cpu(capsys):
     """--hopper measures nothing without a GPU and says so."""
     from flashcourse.bench import GPU_NEEDED
-    from flashcourse.bench_fast import main
+    from flashcourse.bench.fast import main
 
     assert main(["--hopper"]) == 1
     assert GPU_NEEDED in capsys.readouterr().out
@@ -478,7 +479,7 @@ def test_hopper_bench_refuses_a_cpu(capsys):
 def test_decode_fused_refuses_a_cpu(capsys):
     """--decode-fused measures nothing without a GPU and says so."""
     from flashcourse.bench import GPU_NEEDED
-    from flashcourse.bench_fast import main
+    from flashcourse.bench.fast import main
 
     assert main(["--decode-fused"]) == 1
     assert GPU_NEEDED in capsys.readouterr().out
@@ -489,7 +490,7 @@ def test_hopper_plot_draws_the_saved_grid(tmp_path):
     import json
 
     from flashcourse import bench
-    from flashcourse.bench_fast import HOPPER_NAMES, HOPPER_SCHEDULES, hopper_plot
+    from flashcourse.bench.fast import HOPPER_NAMES, HOPPER_SCHEDULES, hopper_plot
 
     grid = json.loads(bench.measured("fast_hopper.json").read_text())
     figure = hopper_plot(grid, str(tmp_path / "hopper.png"))

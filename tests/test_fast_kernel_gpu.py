@@ -37,7 +37,7 @@ def test_hidden_checks_compiled(engine, name):
 @pytest.mark.parametrize("causal", [True, False])
 def test_long_autotuned(engine, dtype, causal):
     """T = S = 3001 (no block divides it), GQA 4, D = 128, autotuned: error against FP32 within 2e-2."""
-    from flashcourse.bench_fast import _inputs, max_error
+    from flashcourse.bench.fast import _inputs, max_error
 
     q, k, v = _inputs(2, 8, 2, 3001, 3001, 128, dtype)
     assert max_error(engine.fast_attention(q, k, v, causal=causal), q, k, v, causal) < 2e-2
@@ -47,8 +47,8 @@ def test_long_autotuned(engine, dtype, causal):
 @pytest.mark.parametrize("d, causal, window", [(128, True, None), (64, True, 300), (128, False, None)])
 def test_descriptors_and_pointers(engine, dtype, d, causal, window):
     """T = 1000 over S = 1777 (GQA 4): K and V through TMA descriptors and through pointers, both near FP32."""
-    from flashcourse import reference
-    from flashcourse.bench_fast import _inputs
+    from flashcourse.checks import reference
+    from flashcourse.bench.fast import _inputs
 
     q, k, v = _inputs(1, 8, 2, 1000, 1777, d, dtype)
     want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal, window=window)
@@ -60,7 +60,7 @@ def test_descriptors_and_pointers(engine, dtype, d, causal, window):
 @pytest.mark.parametrize("batch, s", [(1, 32768), (8, 8191), (3, 131072)])
 def test_long_decode(engine, batch, s):
     """fast_decode at long S, Hq = 32, Hkv = 8, default splits: error against FP32 within 1e-2."""
-    from flashcourse.bench_fast import _inputs, max_error
+    from flashcourse.bench.fast import _inputs, max_error
 
     q, k, v = _inputs(batch, 32, 8, 1, s, 128, torch.bfloat16)
     assert max_error(engine.fast_decode(q, k, v), q, k, v, False) < 1e-2
@@ -69,7 +69,7 @@ def test_long_decode(engine, batch, s):
 @pytest.mark.parametrize("d", [16, 64, 128, 256])
 def test_decode_every_head_dimension(engine, d):
     """fast_decode at D = 16 to 256 (flash-attn takes up to 256): the split kernel's tiles fit in shared memory."""
-    from flashcourse.bench_fast import _inputs, max_error
+    from flashcourse.bench.fast import _inputs, max_error
 
     q, k, v = _inputs(2, 8, 2, 1, 4099, d, torch.bfloat16)
     assert max_error(engine.fast_decode(q, k, v), q, k, v, False) < 1e-2
@@ -80,7 +80,7 @@ def test_decode_every_head_dimension(engine, d):
 def test_lpt_long_autotuned(engine, persistent, head_group, causal):
     """Longest-first order, persistent or one program per item, in L2-sized or given head groups (3 leaves a
     smaller last group): T = S = 3001, GQA 4, D = 128, error within 2e-2."""
-    from flashcourse.bench_fast import _inputs, max_error
+    from flashcourse.bench.fast import _inputs, max_error
 
     q, k, v = _inputs(2, 8, 2, 3001, 3001, 128, torch.bfloat16)
     out = engine.lpt_attention(q, k, v, causal=causal, persistent=persistent, head_group=head_group)
@@ -93,7 +93,7 @@ def test_fp8_long(engine, d, causal, rotate):
     """FP8 at T = S = 2125 (no block divides it), GQA 4, N(0, 1) inputs, against FP32: RMS error below 3e-2
     and max error below 0.5 (e4m3 keeps 3 mantissa bits: one value rounds by up to 6 %, and a row that
     sees one key returns that key's V so rounded)."""
-    from flashcourse.bench_fast import _inputs, max_error, rms_error
+    from flashcourse.bench.fast import _inputs, max_error, rms_error
 
     q, k, v = _inputs(2, 8, 2, 2125, 2125, d, torch.bfloat16)
     rotation = engine.random_rotation(d, seed=0, device="cuda") if rotate else None
@@ -106,7 +106,7 @@ def test_fp8_long(engine, d, causal, rotate):
 def test_fast_attention_lse_long(engine, causal, offset):
     """T = 2000 over S = 3001 (GQA 4, D = 128, bf16, autotuned): o within 2e-2 of FP32, lse (FP32, natural log)
     within 1e-2 of 06's flash_attention_lse; with offset -100 the first 100 rows see no key: o = 0, lse = -inf."""
-    from flashcourse.bench_fast import _inputs
+    from flashcourse.bench.fast import _inputs
     from flashcourse.engine.backward import flash_attention_lse
 
     q, k, v = _inputs(2, 8, 2, 2000, 3001, 128, torch.bfloat16)
@@ -125,7 +125,7 @@ def test_fast_attention_lse_long(engine, causal, offset):
 def test_short_cache_decode(engine, batch, s):
     """fast_decode with short_cache_splits at short S (Hq = 32, Hkv = 8): one wave of splits of at least one tile,
     error against FP32 within 1e-2."""
-    from flashcourse.bench_fast import _inputs, max_error
+    from flashcourse.bench.fast import _inputs, max_error
 
     q, k, v = _inputs(batch, 32, 8, 1, s, 128, torch.bfloat16)
     splits = engine.short_cache_splits(batch, 8, s, "cuda")
@@ -151,8 +151,8 @@ def _hopper_with_gluon() -> bool:
 ])
 def test_hopper_attention(engine, persistent, pingpong, dtype, batch, q_heads, kv_heads, t, s, d, causal):
     """hopper_attention under each schedule against an FP64 reference, within 2e-2."""
-    from flashcourse import reference
-    from flashcourse.bench_fast import _inputs
+    from flashcourse.checks import reference
+    from flashcourse.bench.fast import _inputs
 
     q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, dtype)
     got = engine.hopper_attention(q, k, v, causal=causal, persistent=persistent, pingpong=pingpong)
@@ -165,7 +165,7 @@ def test_hopper_attention(engine, persistent, pingpong, dtype, batch, q_heads, k
 def test_fused_decode(engine, batch, s):
     """fused_decode at Hq = 32, Hkv = 8, with short_cache_splits and with 64 splits: error against FP32 within 1e-2,
     and every counter back at 0 after each call."""
-    from flashcourse.bench_fast import _inputs, max_error
+    from flashcourse.bench.fast import _inputs, max_error
 
     q, k, v = _inputs(batch, 32, 8, 1, s, 128, torch.bfloat16)
     for splits in (None, 64):
@@ -176,7 +176,7 @@ def test_fused_decode(engine, batch, s):
 def test_fused_decode_replayed_in_a_cuda_graph(engine):
     """Four fused calls on four caches in one CUDA graph, replayed 50 times: every replay writes exactly the eager
     outputs (the merge is the same arithmetic whichever program draws the last ticket), the counters end at 0."""
-    from flashcourse.bench_fast import _inputs
+    from flashcourse.bench.fast import _inputs
 
     caches = [_inputs(1, 32, 8, 1, 8192, 128, torch.bfloat16, seed=i) for i in range(4)]
     eager = [engine.fused_decode(*cache) for cache in caches]      # also allocates the counters outside the capture

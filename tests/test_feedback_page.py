@@ -1,4 +1,4 @@
-"""The feedback page runs nothing and loads nothing from elsewhere (autograder/feedback_page.py).
+"""The feedback page runs nothing and loads nothing from elsewhere (autograder/grading/feedback_page.py).
 
 Unit tests feed safe_page single attacks; the slow tests grade a notebook whose markdown and outputs
 hold them, with plain nbgrader and with the batch grader, and read every tag and attribute of the page
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from autograder import ROOT, grade
-from autograder.feedback_page import safe_page
-from autograder.grade import nbgrader_cmd, register
+from autograder import ROOT
+from autograder.grading import batch as grade
+from autograder.grading.feedback_page import safe_page
+from autograder.grading.submission import nbgrader_cmd, register
 from conftest import SAMPLES
 
 ASSIGNMENT = "01_online_softmax"

@@ -1,11 +1,11 @@
-"""Quoted figures stay in step with the results they come from (autograder/figures.py)."""
+"""Quoted figures stay in step with the results they come from (autograder/building/figures.py)."""
 
 import re
 
 import nbformat
 import pytest
 
-from autograder import build, figures
+from autograder.building import build, figures
 
 NOTEBOOKS = [build.source_notebook(a) for a in build.assignments()]
 # Numbers in a markdown text outside code, math and figure markers.
@@ -44,7 +44,7 @@ def test_quoted_figures_match_their_sources(path):
 def test_every_figure_is_computable_and_quoted(name):
     """Each defined figure reads its source and is quoted somewhere (no figure kept for nothing)."""
     assert figures.FIGURES[name].text()
-    assert name in _quoted_everywhere(), f"{name} is defined in autograder/figures.py and quoted nowhere"
+    assert name in _quoted_everywhere(), f"{name} is defined in autograder/building/figures.py and quoted nowhere"
 
 
 @pytest.mark.parametrize("assignment", ["03_online_attention", "05_fast_kernel"])

@@ -1,9 +1,11 @@
-"""The synthetic class the grader is timed on (autograder/classroom.py): every sample handed in, cheats
+"""The synthetic class the grader is timed on (autograder/building/classroom.py): every sample handed in, cheats
 among them, and what each learner's notebook should score."""
 
 import nbformat
 
-from autograder import ROOT, build, classroom, grade
+from autograder import ROOT
+from autograder.building import build, classroom
+from autograder.grading import batch as grade
 from conftest import expected_scores
 
 
@@ -66,7 +68,7 @@ def test_on_a_gpu_the_compiled_assignments_expect_their_gpu_scores():
 def test_the_command_line_says_how_to_use_it(capsys):
     """Without N and OUTDIR it prints its usage and exits 2."""
     assert classroom.main([]) == 2
-    assert "python -m autograder.classroom N OUTDIR" in capsys.readouterr().err
+    assert "python -m autograder.building.classroom N OUTDIR" in capsys.readouterr().err
 
 
 def test_a_class_is_handed_out_longest_first(tmp_path):

@@ -1,7 +1,7 @@
 """04's kernel points are earned by the learner's kernel computing the answer, launched by the grader.
 
 Each kernel test cell runs twice: with the learner's wrapper, and with the instructor's wrapper
-launching the learner's kernels in a jail of their own (autograder/kernel_world.py). A wrapper that
+launching the learner's kernels in a jail of their own (autograder/grading/kernel_world.py). A wrapper that
 computes the answer with torch beside a launch that never runs, or a launch whose output is ignored,
 loses what the kernel is worth; so does a kernel that runs only as Python (here one list
 comprehension, which the interpreter runs and Triton's compiler refuses). A kernel written another
@@ -15,7 +15,8 @@ import json
 import nbformat
 import pytest
 
-from autograder import jail, kernel_world
+from autograder.jail import sandbox as jail
+from autograder.grading import kernel_world
 from conftest import SAMPLES, auto_points, expected_scores, grade_submissions
 
 pytestmark = [pytest.mark.slow,

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import test_launches
-from autograder import jail, kernel_world
+from autograder.jail import sandbox as jail
+from autograder.grading import kernel_world
 from conftest import ROOT, SAMPLES, auto_points, expected_scores, grade_submissions
 
 needs_jail = pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
@@ -168,7 +169,7 @@ def test_the_feedback_says_which_run_failed(graded):
 
 def test_the_rewritten_train_step_is_right_on_its_own():
     """The autograd train_step_gradients passes 06's visible check when called itself: its 0 is the stub's."""
-    from flashcourse import attention_checks, backward_checks
+    from flashcourse.checks import core as attention_checks, backward as backward_checks
 
     namespace = {"torch": torch}
     exec(TRAIN_AUTOGRAD[TRAIN_AUTOGRAD.index("def train_step_gradients"):], namespace)
@@ -283,7 +284,7 @@ RUN = r'''
 import sys
 import torch
 exec(compile(open(sys.argv[1]).read(), "the kernel world", "exec"))
-from flashcourse import reference
+from flashcourse.checks import reference
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 2, 37, 32) for _ in range(3))
 got = flash_attention(q, k, v)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from autograder import ROOT, grade
+from autograder import ROOT
+from autograder.grading import batch as grade
 from conftest import SAMPLES
 
 pytestmark = pytest.mark.slow
@@ -94,7 +95,7 @@ def _more_points(nb):
     _cell(nb, "test_merge_states")["metadata"]["nbgrader"]["points"] = 100
 
 
-PATCH_CHECKS = "import flashcourse.checks as c\nfor n in dir(c):\n    if n.startswith('check_'):\n        setattr(c, n, lambda *a, **k: None)"
+PATCH_CHECKS = "import flashcourse.checks.online_softmax as c\nfor n in dir(c):\n    if n.startswith('check_'):\n        setattr(c, n, lambda *a, **k: None)"
 PATCH_ALLCLOSE = "import math, torch, numpy\ntorch.allclose = numpy.allclose = lambda *a, **k: True\nmath.isclose = lambda *a, **k: True"
 TRANSFORMER = "get_ipython().input_transformers_post.append(lambda lines: ['pass\\n'])"
 CUSTOM_EXC = "get_ipython().set_custom_exc((BaseException,), lambda *a, **k: None)"
@@ -108,7 +109,7 @@ INFECT_GRADER = ("import flashcourse, pathlib\nroot = pathlib.Path(flashcourse._
                  "for name in ('checks.py', 'attention_checks.py', '__init__.py'):\n"
                  "    try:\n        (root / name).open('a').write('\\nraise SystemExit(0)\\n')\n"
                  "    except OSError as e: print(e)\n"
-                 "for path in pathlib.Path('/proc').glob('*/root/**/autograder/execute.py'):\n"
+                 "for path in pathlib.Path('/proc').glob('*/root/**/autograder/grading/execute.py'):\n"
                  "    try:\n        path.open('a').write('\\nraise SystemExit(0)\\n')\n"
                  "    except OSError as e: print(e)")
 # Processes that outlive the notebook and rewrite whatever they find of other students and of grades.
@@ -128,13 +129,13 @@ SHOW_HIDDEN = ("import glob\nprint(In)\nfor p in glob.glob('/**/hidden/*.py', re
                "    print(open(p).read())")
 USE_ENGINE = ("import importlib\nm = importlib.import_module('flashcourse' + '.eng' + 'ine.online_softmax')\n"
               "tile_update, online_softmax, merge_states = m.tile_update, m.online_softmax, m.merge_states")
-USE_REFERENCE = ("from flashcourse.reference import softmax_weighted_sum as exact\n"
+USE_REFERENCE = ("from flashcourse.checks.reference import softmax_weighted_sum as exact\n"
                  "def online_softmax(scores, values, tile):\n    return exact(scores, values)")
 USE_RECURRENCE = "from flashcourse import recurrence\ntile_update = getattr(recurrence, 'step')"
 # Bytes written straight to the runner's answer pipe: a header announcing an enormous message.
 FORGE_MESSAGE = "import os, sys\nos.write(int(sys.argv[2]), b'\\x00' * 7 + b'\\xff' * 9 + b'garbage')"
 HONEST_MENTIONS = ("# Checked with `python -m autograder check`; flashcourse.engine and autograder.hidden are the\n"
-                   "# course's, not mine. from flashcourse.reference import attention  <- not used\n"
+                   "# course's, not mine. from flashcourse.checks.reference import attention  <- not used\n"
                    "notes = 'importlib.import_module(\"flashcourse.engine\") is what a cheat would write'")
 # Cells dressed up as test cells: if the grader ran them as its own, the marker would appear on this machine.
 MARKER = Path("/tmp/flashcourse-ran-in-the-grader")

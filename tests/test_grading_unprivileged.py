@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from autograder import ROOT, jail
+from autograder import ROOT
+from autograder.jail import sandbox as jail
 from test_grading_robustness import ASSIGNMENT, CASES, _fingerprint, _write
 
 pytestmark = [pytest.mark.slow,

@@ -1,12 +1,12 @@
-"""The warm nbgrader server (autograder/warm.py): every command in a fresh child, limited, killed at its
+"""The warm nbgrader server (autograder/grading/warm.py): every command in a fresh child, limited, killed at its
 timeout, and a server that dies is replaced."""
 
 import threading
 
 import pytest
 
-from autograder import warm
-from autograder.jail import descendants
+from autograder.grading import warm
+from autograder.jail.sandbox import descendants
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from autograder import grade, jail
+from autograder.grading import batch as grade, submission
+from autograder.jail import sandbox as jail
 from flashcourse import DEVICE_ENV
 from conftest import SAMPLES, auto_points, expected_scores, grade_submissions
 
@@ -281,8 +282,8 @@ def test_the_ring_feedback_says_why(graded_rings):
 def test_auto_grades_only_the_kernel_assignments_on_a_gpu(monkeypatch):
     """--device auto sends the PyTorch assignments to the CPU; an explicit --device applies to every one."""
     monkeypatch.delenv(DEVICE_ENV, raising=False)
-    assert grade.device_for("03_online_attention") == {DEVICE_ENV: "cpu"}
-    assert grade.device_for("07_ring_attention") == {DEVICE_ENV: "cpu"}
-    assert grade.device_for("05_fast_kernel") == {}
+    assert submission.device_for("03_online_attention") == {DEVICE_ENV: "cpu"}
+    assert submission.device_for("07_ring_attention") == {DEVICE_ENV: "cpu"}
+    assert submission.device_for("05_fast_kernel") == {}
     monkeypatch.setenv(DEVICE_ENV, "cuda")
-    assert grade.device_for("03_online_attention") == {}
+    assert submission.device_for("03_online_attention") == {}

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from autograder import ROOT, jail, wire
+from autograder import ROOT
+from autograder.jail import sandbox as jail
+from autograder.jail.inside import wire
 
 pytestmark = pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
 
@@ -79,7 +81,7 @@ def test_nothing_of_the_course_but_what_answers_no_exercise(kernel):
     """source/, the hidden checks, the reference and the engine are absent, whatever the spelling of the import."""
     out = run(kernel, f"import os, importlib\nprint(os.path.exists({str(ROOT / 'source')!r}), "
                       f"os.path.exists({str(ROOT / 'autograder')!r}), os.path.exists({str(ROOT / 'flashcourse')!r}))\n"
-                      "for name in ('flashcourse' + '.eng' + 'ine', 'flashcourse.reference', 'flashcourse.recurrence', "
+                      "for name in ('flashcourse' + '.eng' + 'ine', 'flashcourse.checks.reference', 'flashcourse.checks.recurrence', "
                       "'autograder.hidden'):\n"
                       "    try:\n        importlib.import_module(name); print('imported', name)\n"
                       "    except ImportError as e: print('absent', name)\n"
@@ -387,7 +389,7 @@ def test_kernels_of_one_template_share_nothing(start):
 def test_a_kernel_that_cannot_start_is_named_in_the_anomalies(monkeypatch):
     """When no kernel starts, the cells say why and the summary's anomalies say it once, so the notebook is
     not reported as graded normally."""
-    from autograder import execute
+    from autograder.grading import execute
 
     def refuse(self):
         raise jail.NoJail("the grading kernel did not start: an import failed")

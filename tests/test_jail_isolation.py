@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from autograder import ROOT, cgroups, jail
+from autograder import ROOT
+from autograder.jail import cgroups, sandbox as jail
 from test_grading_robustness import ASSIGNMENT, BUGGY, CORRECT, FULL, NOTEBOOK, WRONG, _write, in_tile_update, with_cell
 from test_grading_unprivileged import _as_ordinary_user
 

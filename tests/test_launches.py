@@ -7,7 +7,7 @@ from textwrap import dedent
 import nbformat
 import pytest
 
-from autograder.launches import cell_trees, launching_functions, missing_launches
+from autograder.grading.launches import cell_trees, launching_functions, missing_launches
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPORTS = "import torch\nimport triton\nimport triton.language as tl\n"

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from flashcourse import checks, recurrence, reference, runtime
+from flashcourse import runtime
+from flashcourse.checks import online_softmax as checks, recurrence, reference
 from flashcourse.engine import online_softmax as engine
 
 WORKED = (checks.WORKED_SCORES, checks.WORKED_VALUES)

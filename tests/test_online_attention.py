@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from autograder import build
+from autograder.building import build
 from autograder.hidden import online_attention as hidden03
 from autograder.hidden import single_query as hidden02
-from flashcourse import attention_checks as ac
+from flashcourse.checks import core as ac
 from flashcourse.engine import online_attention as engine
 from flashcourse.engine.single_query import online_attention_single
 

@@ -13,7 +13,7 @@ import pytest
 from nbgrader.api import Gradebook, MissingEntry
 
 from autograder import ROOT
-from autograder.grade import nbgrader_cmd, register
+from autograder.grading.submission import nbgrader_cmd, register
 from conftest import SAMPLES, expected_scores
 
 pytestmark = pytest.mark.slow

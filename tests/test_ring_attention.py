@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autograder import jail
-from flashcourse import attention_checks as ac
-from flashcourse import distributed, reference
-from flashcourse import ring_checks as rc
+from autograder.jail import sandbox as jail
+from flashcourse.checks import core as ac
+from flashcourse import distributed
+from flashcourse.checks import reference
+from flashcourse.checks import ring_attention as rc
 from flashcourse.engine import ring_attention as engine
 
 
@@ -257,7 +258,7 @@ def test_zigzag_mistakes_are_named():
 def test_a_ring_runs_inside_the_grading_jail():
     """The grader's stand-in for a learner's function starts the ranks in the jail (gloo on its loopback only),
     and a deadlocked ring there comes back as a timeout, not a hang."""
-    from autograder import execute
+    from autograder.grading import execute
 
     session = execute.Session(jailed=True, cell_timeout=120, max_restarts=0)
     try:

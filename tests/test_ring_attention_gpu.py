@@ -7,9 +7,10 @@ PyTorch step on the same shards; and a longer bf16 ring against the same kernel 
 import pytest
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import distributed, reference
-from flashcourse import ring_checks as rc
+from flashcourse.checks import core as ac
+from flashcourse import distributed
+from flashcourse.checks import reference
+from flashcourse.checks import ring_attention as rc
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from autograder import build
+from autograder.building import build
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +22,8 @@ def test_blank_release_of_01_fails_only_in_its_tests(tmp_path):
     import nbformat
     from nbclient import NotebookClient
 
-    from autograder.preprocessors import is_test_cell
-    from flashcourse import widgets
+    from autograder.grading.preprocessors import is_test_cell
+    from flashcourse.explore import widgets
 
     nb = nbformat.read(build.RELEASE / "01_online_softmax" / "01_online_softmax.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
@@ -46,7 +46,7 @@ def test_blank_release_runs_until_the_first_exercise(assignment, tmp_path):
     import nbformat
     from nbclient import NotebookClient
 
-    from autograder.preprocessors import is_test_cell
+    from autograder.grading.preprocessors import is_test_cell
 
     nb = nbformat.read(build.RELEASE / assignment / f"{assignment}.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,

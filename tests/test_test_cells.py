@@ -1,4 +1,4 @@
-"""How the grader reads the instructor's test cells and given code (autograder/execute.py, kernel_world.py).
+"""How the grader reads the instructor's test cells and given code (autograder/grading/execute.py, kernel_world.py).
 
 What the hidden part of a test cell prints stays out of the feedback, so the cell is cut at its
 markers into visible and hidden parts; and the functions that source/ hands out whole are the
@@ -7,9 +7,9 @@ instructor's, found by where the solution regions are, never by the notebook's c
 
 import nbformat
 
-from autograder import kernel_world
-from autograder.execute import _test_parts
-from autograder.preprocessors import graded_names
+from autograder.grading import kernel_world
+from autograder.grading.execute import _test_parts
+from autograder.grading.preprocessors import graded_names
 
 CELL = '''"""A test."""
 print("visible")

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import kernel_checks as kc
+from flashcourse.checks import core as ac
+from flashcourse.checks import triton_flash as kc
 from flashcourse import runtime
 from flashcourse.engine.triton_flash import flash_attention
 
@@ -79,7 +79,7 @@ def test_checks_name_the_classic_kernel_bugs():
 def _release_cell(grade_id):
     import nbformat
 
-    from autograder import build
+    from autograder.building import build
 
     nb = nbformat.read(build.RELEASE / "04_triton_flash" / "04_triton_flash.ipynb", as_version=4)
     return next(c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
@@ -102,12 +102,12 @@ def test_release_gives_the_plumbing_and_leaves_the_loop():
 
 
 def test_measurements_04_reads_are_installed():
-    """Every bench.measured(...) file 04's cells read ships in flashcourse/measured."""
+    """Every bench.measured(...) file 04's cells read ships in flashcourse/bench/measured."""
     import re
 
     import nbformat
 
-    from autograder import build
+    from autograder.building import build
     from flashcourse import bench
 
     nb = nbformat.read(build.source_notebook("04_triton_flash"), as_version=4)

@@ -4,8 +4,8 @@ tolerances, FP32 against TF32, long sequences, and the benchmark helpers."""
 import pytest
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import kernel_checks as kc
+from flashcourse.checks import core as ac
+from flashcourse.checks import triton_flash as kc
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")]

@@ -13,7 +13,7 @@ import torch
 
 from autograder.hidden import triton_flash as hidden
 from flashcourse import runtime
-from flashcourse import warmup_checks as wc
+from flashcourse.checks import triton_warmup as wc
 from flashcourse.engine import triton_flash as engine
 
 RT = runtime.current()
@@ -121,8 +121,8 @@ def test_blank_release_first_fails_at_the_first_warmup_test(tmp_path):
     import nbformat
     from nbclient import NotebookClient
 
-    from autograder import build
-    from autograder.preprocessors import is_test_cell
+    from autograder.building import build
+    from autograder.grading.preprocessors import is_test_cell
 
     nb = nbformat.read(build.RELEASE / "04_triton_flash" / "04_triton_flash.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashcourse import warmup_checks as wc
+from flashcourse.checks import triton_warmup as wc
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")]

@@ -12,7 +12,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from flashcourse import recurrence, reference, widgets
+from flashcourse.checks import recurrence, reference
+from flashcourse.explore import widgets
 from flashcourse.engine import online_softmax as engine
 
 WORKED = ([0.0, 1.0, 2.0, -1.0], [2.0, 4.0, 1.0, 3.0])

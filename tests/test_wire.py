@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from autograder import wire
+from autograder.jail.inside import wire
 
 
 def _round_trip(value):

@@ -4,7 +4,7 @@ as Triton kernels.
 Each check runs on its own variety of shapes: T and S odd, tiles that do not divide them, GQA 4:1 and
 2:1 beside Hq = Hkv, chunked prefill and custom positions, rows whose first tiles or all keys are
 invisible. The GQA cases are kept out of the other backward checks, so a dk/dv written per query head
-loses the GQA points alone. Tolerances are flashcourse.attention_checks.TOLERANCES for float32 (1e-4
+loses the GQA points alone. Tolerances are flashcourse.checks.core.TOLERANCES for float32 (1e-4
 relative and absolute) against torch.autograd through the float64 reference; every case is seeded.
 
 The Triton checks run in float32, under the interpreter on a CPU (small shapes) or compiled on a GPU (head
@@ -24,8 +24,8 @@ can be, and a second such probe would double the cell's time.
 
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import backward_checks as bc
+from flashcourse.checks import core as ac
+from flashcourse.checks import backward as bc
 from flashcourse import runtime
 
 BIG = 10**6   # the position of a padding key: later than every query, so never visible

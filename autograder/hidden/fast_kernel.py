@@ -11,9 +11,10 @@ import random
 import torch
 
 from autograder.hidden import triton_flash as h04
-from flashcourse import attention_checks as ac
-from flashcourse import kernel_checks as kc
-from flashcourse import reference, runtime
+from flashcourse.checks import core as ac
+from flashcourse.checks import triton_flash as kc
+from flashcourse import runtime
+from flashcourse.checks import reference
 
 
 def _dims():

@@ -2,7 +2,7 @@
 
 The visible tests already exercise every behaviour the exercises ask for; these add variety around
 them (other seeds, shapes, positions and tile sizes), one function per graded cell.
-Tolerances are flashcourse.attention_checks.TOLERANCES for the inputs' dtype (float32: 1e-4 relative
+Tolerances are flashcourse.checks.core.TOLERANCES for the inputs' dtype (float32: 1e-4 relative
 and absolute, bf16: 2e-2) against the float64 reference; merges are compared at 1e-5 on a / l and
 m + log l. Every case is seeded.
 """
@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from flashcourse import attention_checks as ac
+from flashcourse.checks import core as ac
 
 PADDING = ac.PADDING
 

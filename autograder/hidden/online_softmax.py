@@ -1,6 +1,6 @@
 """Hidden checks for 01_online_softmax: random rows and tiles, -inf scores, large scores, merges.
 
-Variety around what the visible tests already ask (flashcourse.checks.EDGE_TILES, EDGE_ROWS and
+Variety around what the visible tests already ask (flashcourse.checks.online_softmax.EDGE_TILES, EDGE_ROWS and
 EDGE_MERGES: all -inf tiles, alpha = 1, scores of 1e4, an empty state, a single state), never a new
 requirement. Each function is the hidden part of a graded cell of its own (test_tile_update_random,
 test_online_softmax_random, test_merge_states_random), so a failure here costs that cell's point and
@@ -10,7 +10,7 @@ nothing beside it. Every case is seeded.
 import math
 import random
 
-from flashcourse import checks, recurrence
+from flashcourse.checks import online_softmax as checks, recurrence
 
 NEG_INF = -math.inf
 

@@ -2,8 +2,8 @@
 11 and 12 whose ranks' memory is measured from outside (ring_checks.check_ring_memory: no all_gather).
 
 Rings run on real process groups (flashcourse.distributed, gloo), in the jail when grading, with a
-timeout per group (flashcourse.ring_checks.RING_TIMEOUT_S) so a deadlocked ring fails instead of
-hanging. Outputs are compared with the float64 reference at flashcourse.attention_checks.TOLERANCES
+timeout per group (flashcourse.checks.ring_attention.RING_TIMEOUT_S) so a deadlocked ring fails instead of
+hanging. Outputs are compared with the float64 reference at flashcourse.checks.core.TOLERANCES
 (float32: 1e-4); merges at ring_checks.MERGE_TOL (1e-4). Every case is seeded.
 """
 
@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from flashcourse import attention_checks as ac
-from flashcourse import ring_checks as rc
+from flashcourse.checks import core as ac
+from flashcourse.checks import ring_attention as rc
 
 
 def _three_parts(seed: int):

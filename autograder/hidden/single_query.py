@@ -1,6 +1,6 @@
 """Hidden checks for 02_single_query: random queries, every tile size from 1 to beyond S, large scores.
 
-Compared with the float64 reference (flashcourse.reference.attention) at rtol 1e-9, atol 1e-10:
+Compared with the float64 reference (flashcourse.checks.reference.attention) at rtol 1e-9, atol 1e-10:
 plain Python floats are float64, and the recurrence only reorders sums. Both functions are the hidden
 part of one graded cell of their own (test_online_attention_single_random), so a failure here costs that
 cell's point and nothing beside it. Every case is seeded.
@@ -8,7 +8,7 @@ cell's point and nothing beside it. Every case is seeded.
 
 import random
 
-from flashcourse import attention_checks as ac
+from flashcourse.checks import core as ac
 
 
 def _case(rng: random.Random, s: int, d: int, q_scale: float = 1.5):

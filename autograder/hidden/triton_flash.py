@@ -8,9 +8,9 @@ work in float32 everywhere.
 
 import random
 
-from flashcourse import kernel_checks as kc
+from flashcourse.checks import triton_flash as kc
 from flashcourse import runtime
-from flashcourse import warmup_checks as wc
+from flashcourse.checks import triton_warmup as wc
 
 BLOCKS = [(16, 16), (32, 16), (16, 32), (32, 32), (64, 32)]
 

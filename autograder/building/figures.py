@@ -1,0 +1,488 @@
+"""Figures quoted in the notebooks' text, each computed from a measurement committed to the repository.
+
+An author quotes a figure in a markdown cell of source/ by writing its value followed by its name in an
+HTML comment, which Jupyter and nbconvert do not display:
+
+    the fast kernel ran at 541<!--fig:fast.prefill.tflops_8k--> TFLOP/s
+
+FIGURES maps each name to the file it comes from and how the value is computed from that file.
+`python -m autograder build` rewrites every quoted value from its source (write_figures), so the
+released notebook and the solution say what the results say; `build --check` and tests/test_figures.py
+fail when a quoted value differs from its source (drift), when a name is unknown, or when a figure is
+defined and never quoted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import nbformat
+
+from autograder import ROOT
+
+# A value (digits, an optional decimal part) directly before <!--fig:name-->; empty the first time.
+MARKER = re.compile(r"(?P<value>\d+(?:\.\d+)?)?<!--fig:(?P<name>[\w.\-]+)-->")
+
+FAST = "flashcourse/bench/measured/fast.json"                       # 05's benchmark, shipped with the package
+FAST_REPORT = "benchmarks/results/2026-11-29-h200-fast.md"     # the same run's report, with that day's notes
+FLASH_REPORT = "benchmarks/results/2026-11-29-h200.md"         # 04's kernel against SDPA
+SWEEP_04 = "solutions/04_triton_flash/sweep.json"              # 04's own sweep on the GPU
+LAST_GAP = "flashcourse/bench/measured/fast_last_gap.json"            # 05's last part: causal grid, FP8 errors, grid tail
+PROFILE = "flashcourse/bench/measured/fast_profile.json"              # Nsight Compute at T = 1k and 16k, reduced
+RING_REPORT = "benchmarks/results/2026-11-30-h200x2-ring-05.md"   # 07's ring on two H200s (bench_ring)
+LPT_GROUPS = "flashcourse/bench/measured/fast_lpt_groups.json"        # longest first in L2-sized head groups
+LAST_GAP_2 = "flashcourse/bench/measured/fast_last_gap_2.json"        # 05's last part: the grid with the lse forward, decode
+HOPPER = "flashcourse/bench/measured/fast_hopper.json"              # 05: hopper_attention (Gluon) on the prefill grid
+FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05: decode in one launch against two
+TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
+SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
+MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One quoted figure: the file it comes from, the value computed from that file, the decimals shown."""
+
+    source: str                            # relative to the repository root
+    compute: Callable[[Any], float]        # the loaded source -> the value
+    decimals: int = 0
+
+    def text(self) -> str:
+        return f"{self.compute(load(self.source)):.{self.decimals}f}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """A results file in markdown: its text and its tables, each a list of {column: cell} rows."""
+
+    text: str
+    tables: list[list[dict[str, str]]]
+
+
+def _markdown(text: str) -> Report:
+    tables, rows, header = [], None, None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            rows = header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header, rows = cells, []
+            tables.append(rows)
+        elif not all(set(c) <= set("-:") for c in cells):
+            rows.append(dict(zip(header, cells)))
+    return Report(text, tables)
+
+
+def _notebook_stdout(path: Path) -> dict[str, str]:
+    """An executed notebook's printed output, per cell id."""
+    nb = nbformat.read(path, as_version=4)
+    return {cell.get("id"): "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("name") == "stdout")
+            for cell in nb.cells if cell.cell_type == "code"}
+
+
+def load(source: str):
+    """A source file, parsed: JSON as data, markdown as a Report, an executed notebook as its stdout per cell."""
+    path = ROOT / source
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    if path.suffix == ".md":
+        return _markdown(path.read_text())
+    if path.suffix == ".ipynb":
+        return _notebook_stdout(path)
+    raise ValueError(f"figures: no reader for {source}")
+
+
+# --- how each figure is computed from its source -------------------------------------------------------
+
+def _step(data, name: str) -> float:
+    return next(s["tflops"] for s in data["steps"] if s["step"].startswith(name))
+
+
+def _step_gain(before: str, after: str) -> Callable[[Any], float]:
+    """The percentage one step of 05's table adds to the step before it."""
+    return lambda data: 100 * (_step(data, after) / _step(data, before) - 1)
+
+
+def _prefill(data, t_in=None, t_at_most=math.inf, **fields) -> list[dict]:
+    """05's prefill rows whose fields equal `fields`, with T in t_in (when given) and T <= t_at_most."""
+    return [r for r in data["prefill"] if all(r[key] == value for key, value in fields.items())
+            and r["t"] <= t_at_most and (t_in is None or r["t"] in t_in)]
+
+
+def _ratios(data, over: str, **where) -> list[float]:
+    """fast_attention's TFLOP/s over `over`'s on the prefill rows `where` selects (all rows by default)."""
+    return [r["fast_attention"] / r[over] for r in _prefill(data, **where)]
+
+
+def _decode(data, batch: int, s: int, table: str = "decode") -> dict:
+    """The row of a decode table (`decode` in 05's runs, `decode_fused` in the one-launch run) at B and S."""
+    return next(r for r in data[table] if r["batch"] == batch and r["s"] == s)
+
+
+def _decode_of_copy(data, batch: int, s_at_least: int = 0) -> list[float]:
+    """fast_decode's read bandwidth as a percentage of the plain copy's, at the rows given."""
+    return [100 * r["fast_decode"] / data["copy_tbs"] for r in data["decode"]
+            if r["batch"] == batch and r["s"] >= s_at_least]
+
+
+def _over_best_sdpa(data) -> list[float]:
+    """fast_decode's read bandwidth over the fastest SDPA backend's, at every decode row."""
+    from flashcourse.bench.fast import _best_sdpa     # the benchmark's own choice of backend (imports torch)
+
+    return [r["fast_decode"] / _best_sdpa(r) for r in data["decode"]]
+
+
+def _flash_04(report: Report, column: str, d: int, t_at_least: int = 0) -> list[float]:
+    """A column of 04's table against SDPA, as numbers, at head dim d and T >= t_at_least."""
+    return [float(r[column]) for r in report.tables[0] if int(r["D"]) == d and int(r["T"]) >= t_at_least]
+
+
+def _cudnn_over_04(report: Report) -> list[float]:
+    return [float(r["SDPA cuDNN"]) / float(r["flash_attention TFLOP/s"]) for r in report.tables[0]]
+
+
+def _sweep_sdpa_over_04(data, t_at_least: int) -> float:
+    """04's sweep: torch SDPA's TFLOP/s over flash_attention's, averaged over T >= t_at_least."""
+    speed = {(r["method"], r["t"]): r["tflops"] for r in data["rows"]}
+    ts = sorted(t for method, t in speed if method == "torch SDPA" and t >= t_at_least)
+    return sum(speed["torch SDPA", t] / speed["flash_attention (Triton)", t] for t in ts) / len(ts)
+
+
+def _noted(pattern: str) -> Callable[[Report], float]:
+    """A number in a report's notes, found by the words around it."""
+    return lambda report: float(re.search(pattern, report.text).group(1))
+
+
+def _memory_peaks(stdout: dict[str, str], t: int) -> tuple[float, float]:
+    """03's measured peaks (causal, online) in MiB at T = t, read from the executed solution's output."""
+    found = re.search(rf"T = +{t}: causal +([\d.]+) MiB, online +([\d.]+) MiB", stdout[MEMORY_CELL_03])
+    return float(found.group(1)), float(found.group(2))
+
+
+def _gap(data, t: int, d: int = 128) -> dict:
+    """The last-gap row at bf16, H = 32/32, head dim d, T = t."""
+    return next(r for r in data["last_gap"] if (r["dtype"], r["d"], r["kv_heads"], r["t"]) == ("bf16", d, 32, t))
+
+
+def _gap_ratios(data, over: str, under: str = "fast_attention", d: int | None = None) -> list[float]:
+    """`over`'s TFLOP/s over `under`'s at every last-gap row (of head dim d, when given)."""
+    return [r[over] / r[under] for r in data["last_gap"] if d is None or r["d"] == d]
+
+
+def _kernel(profile, t: int, name: str) -> dict:
+    """Nsight Compute's summary of the kernel whose name starts with `name`, at T = t."""
+    return next(k for k in profile["kernels"] if k["t"] == t and k["kernel"].startswith(name))
+
+
+def _tail(data, t: int, block_m: int, order: str) -> float:
+    return 100 * next(r[order] for r in data["tail"] if r["t"] == t and r["block_m"] == block_m)
+
+
+def _fp8_error(data, inputs: str, method: str, kind: str) -> float:
+    return next(r[kind] for r in data["fp8_errors"] if r["inputs"] == inputs and r["method"] == method)
+
+
+def _groups_over_fast(data) -> list[float]:
+    """The better of the two L2-grouped longest-first launches over the fast kernel, per T."""
+    return [max(r["LPT, L2 groups"], r["persistent LPT, L2 groups"]) / r["fast_attention"] for r in data["lpt_groups"]]
+
+
+
+def _lse_over_fast(data) -> list[float]:
+    """fast_attention_lse's TFLOP/s over fast_attention's, at every row of the grid."""
+    return [r["fast_attention_lse"] / r["fast_attention"] for r in data["prefill"]]
+
+
+def _hopper_ratios(data, best: bool) -> list[float]:
+    """hopper_attention (or the faster of the two course kernels) over cuDNN, every row of the grid."""
+    return [(max(r["hopper_attention"], r["fast_attention"]) if best else r["hopper_attention"]) / r["SDPA cuDNN"]
+            for r in data["prefill"]]
+
+
+def _hopper_row(data, t: int, causal: bool = True) -> dict:
+    """--hopper's row at bf16, D = 128, H = 32/32, T = t."""
+    (row,) = _prefill(data, t_in=(t,), causal=causal, d=128, dtype="bf16", kv_heads=32)
+    return row
+
+
+def _hopper_repeats(data) -> list[float]:
+    """hopper_attention over its own schedule's column, every row: the same kernel timed twice in one run."""
+    from flashcourse.bench.fast import HOPPER_SCHEDULES
+    from flashcourse.engine.fast_kernel import hopper_schedule
+
+    column = {schedule: name for name, schedule in HOPPER_SCHEDULES.items()}
+    return [r["hopper_attention"] / r[column[hopper_schedule(r["t"], r["causal"])]] for r in data["prefill"]]
+
+
+def _fused_over_two(data) -> list[float]:
+    return [r["fused_decode"] / r["fast_decode"] for r in data["decode_fused"] if r["batch"] == 1]
+
+
+def _trial(data, key: str, t: int, name: str) -> float:
+    """One cell of the trials: `name`'s TFLOP/s at T = t in the process `key` ("pipeline" or "pipeline_ws")."""
+    return next(r[name] for r in data[key] if r["t"] == t)
+
+
+def _ring(report: Report, t: int, what: str, column: str) -> float:
+    """A cell of 07's two-GPU table, as a number: the row of `what` at T = t."""
+    return float(next(r[column] for r in report.tables[0] if int(r["T"]) == t and r["what"] == what))
+
+
+def _ring_column(report: Report, column: str) -> list[float]:
+    """A column of 07's headline table (one row per T), as numbers."""
+    return [float(r[column]) for r in report.tables[1]]
+
+_GAUSS, _OUTLIERS = "N(0, 1)", "N(0, 1) + outliers"
+_BF16_D128 = dict(dtype="bf16", d=128, q_heads=32, kv_heads=32)
+_T8K_CAUSAL = dict(_BF16_D128, causal=True, t=8192)
+
+FIGURES: dict[str, Figure] = {
+    # 05, the steps at bf16, causal, D = 128, T = 8192
+    "fast.steps.base_04": Figure(FAST, lambda d: _step(d, "04 flash_attention")),
+    "fast.steps.base_fast": Figure(FAST, lambda d: _step(d, "fast kernel, exp")),
+    "fast.steps.exp2_pct": Figure(FAST, _step_gain("fast kernel, exp", "+ exp2")),
+    "fast.steps.split_pct": Figure(FAST, _step_gain("+ exp2", "+ diagonal split")),
+    "fast.steps.tma_pct": Figure(FAST, _step_gain("+ diagonal split", "+ tensor descriptors")),
+    "fast.steps.autotune_pct": Figure(FAST, _step_gain("+ tensor descriptors", "+ autotuned")),
+    # 05, prefill
+    "fast.prefill.tflops_8k": Figure(FAST, lambda d: _prefill(d, **_T8K_CAUSAL)[0]["fast_attention"]),
+    "fast.prefill.cudnn_tflops_8k": Figure(FAST, lambda d: _prefill(d, **_T8K_CAUSAL)[0]["SDPA cuDNN"]),
+    "fast.prefill.of_cudnn_8k": Figure(FAST, lambda d: _ratios(d, "SDPA cuDNN", **_T8K_CAUSAL)[0], 2),
+    "fast.prefill.over_sdpa_8k": Figure(FAST, lambda d: _ratios(d, "SDPA flash", **_T8K_CAUSAL)[0], 2),
+    "fast.prefill.over_sdpa_min": Figure(FAST, lambda d: min(_ratios(d, "SDPA flash")), 1),
+    "fast.prefill.over_sdpa_max": Figure(FAST, lambda d: max(_ratios(d, "SDPA flash")), 1),
+    "fast.prefill.of_cudnn_min": Figure(FAST, lambda d: min(_ratios(d, "SDPA cuDNN")), 2),
+    "fast.prefill.of_cudnn_max": Figure(FAST, lambda d: max(_ratios(d, "SDPA cuDNN")), 2),
+    "fast.prefill.of_cudnn_long_min": Figure(
+        FAST, lambda d: min(_ratios(d, "SDPA cuDNN", causal=True, t_in=(8192, 16384), **_BF16_D128)), 2),
+    "fast.prefill.of_cudnn_long_max": Figure(
+        FAST, lambda d: max(_ratios(d, "SDPA cuDNN", causal=True, t_in=(8192, 16384), **_BF16_D128)), 2),
+    "fast.prefill.of_cudnn_short_min": Figure(
+        FAST, lambda d: min(_ratios(d, "SDPA cuDNN", t_at_most=4096, **_BF16_D128)), 2),
+    "fast.prefill.of_cudnn_short_max": Figure(
+        FAST, lambda d: max(_ratios(d, "SDPA cuDNN", t_at_most=4096, **_BF16_D128)), 2),
+    "fast.prefill.in_kernel_descriptors_8k": Figure(
+        FAST_REPORT, _noted(r"built inside the kernel .*? it reached ([\d.]+)"), 1),
+    # 05, decode
+    "fast.decode.copy_tbs": Figure(FAST, lambda d: d["copy_tbs"], 2),
+    "fast.decode.copy_tbs_short": Figure(FAST, lambda d: d["copy_tbs"], 1),
+    "fast.decode.flash_04_tbs": Figure(FAST, lambda d: _decode(d, 1, 32768)["04 flash_attention"], 2),
+    "fast.decode.tbs_32k": Figure(FAST, lambda d: _decode(d, 1, 32768)["fast_decode"], 2),
+    "fast.decode.of_copy_32k": Figure(FAST, lambda d: 100 * _decode(d, 1, 32768)["fast_decode"] / d["copy_tbs"]),
+    "fast.decode.of_copy_long_min": Figure(FAST, lambda d: min(_decode_of_copy(d, 1, 65536))),
+    "fast.decode.of_copy_long_max": Figure(FAST, lambda d: max(_decode_of_copy(d, 1, 65536))),
+    "fast.decode.of_copy_b8_min": Figure(FAST, lambda d: min(_decode_of_copy(d, 8))),
+    "fast.decode.of_copy_b8_max": Figure(FAST, lambda d: max(_decode_of_copy(d, 8))),
+    "fast.decode.of_copy_8k": Figure(FAST, lambda d: 100 * _decode(d, 1, 8192)["fast_decode"] / d["copy_tbs"]),
+    "fast.decode.over_best_sdpa_min": Figure(FAST, lambda d: min(_over_best_sdpa(d)), 2),
+    "fast.decode.over_best_sdpa_max": Figure(FAST, lambda d: max(_over_best_sdpa(d)), 2),
+    # 05, the last gap: the causal grid beside cuDNN (one process)
+    "gap.of_cudnn_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["fast_attention"] / _gap(d, 1024)["SDPA cuDNN"], 2),
+    "gap.of_cudnn_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["fast_attention"] / _gap(d, 16384)["SDPA cuDNN"], 2),
+    "gap.of_cudnn_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "fast_attention", "SDPA cuDNN")), 2),
+    "gap.of_cudnn_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "fast_attention", "SDPA cuDNN")), 2),
+    "gap.fast_8k": Figure(LAST_GAP, lambda d: _gap(d, 8192)["fast_attention"]),
+    "gap.cudnn_8k": Figure(LAST_GAP, lambda d: _gap(d, 8192)["SDPA cuDNN"]),
+    # 05, the last gap: Nsight Compute (bf16 causal D = 128)
+    "gap.ncu.fast_tensor_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["tensor_pipe_pct"]),
+    "gap.ncu.cudnn_tensor_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["tensor_pipe_pct"]),
+    "gap.ncu.fast_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["tensor_pipe_pct"]),
+    "gap.ncu.cudnn_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "cudnn")["tensor_pipe_pct"]),
+    "gap.ncu.fast_occupancy_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["achieved_occupancy_pct"], 1),
+    "gap.ncu.cudnn_occupancy_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["achieved_occupancy_pct"], 1),
+    "gap.ncu.fast_issue_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["issue_slots_pct"]),
+    "gap.ncu.cudnn_issue_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["issue_slots_pct"]),
+    "gap.ncu.fast_wait_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["stalls_per_issue"]["wait"], 2),
+    "gap.ncu.fast_barrier_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["stalls_per_issue"]["barrier"], 2),
+    "gap.ncu.fast_memory_1k": Figure(
+        PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["stalls_per_issue"]["long_scoreboard"], 2),
+    "gap.ncu.cudnn_memory_1k": Figure(
+        PROFILE, lambda p: _kernel(p, 1024, "cudnn")["stalls_per_issue"]["long_scoreboard"], 2),
+    "gap.ncu.fast_barrier_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["stalls_per_issue"]["barrier"], 2),
+    "gap.ncu.cudnn_barrier_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "cudnn")["stalls_per_issue"]["barrier"], 2),
+    "gap.ncu.cudnn_grid": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["grid"]),
+    "gap.ncu.cudnn_threads": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["block"]),
+    "gap.ncu.fast_grid_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["grid"]),
+    "gap.ncu.fast_dram_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["dram_active_pct"]),
+    "gap.ncu.lpt_dram_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "lpt_fwd")["dram_active_pct"]),
+    "gap.ncu.fast_dram_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["dram_active_pct"]),
+    "gap.ncu.lpt_dram_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "lpt_fwd")["dram_active_pct"]),
+    "gap.ncu.fp8_issue_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fp8_fwd")["issue_slots_pct"]),
+    "gap.ncu.fp8_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fp8_fwd")["tensor_pipe_pct"]),
+    "gap.ncu.fast_issue_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["issue_slots_pct"]),
+    # 05, the last gap: the tail of the causal grid (simulated) and longest first
+    "gap.tail.fast_1k": Figure(LAST_GAP, lambda d: _tail(d, 1024, 64, "fast order"), 1),
+    "gap.tail.lpt_1k": Figure(LAST_GAP, lambda d: _tail(d, 1024, 64, "LPT order"), 1),
+    "gap.tail.fast_16k": Figure(LAST_GAP, lambda d: _tail(d, 16384, 128, "fast order"), 1),
+    "gap.lpt.order_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["LPT order"]),
+    "gap.lpt.fast_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["fast_attention"]),
+    "gap.lpt.order_over_fast_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "LPT order")), 2),
+    "gap.lpt.order_over_fast_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "LPT order")), 2),
+    "gap.lpt.persistent_over_fast_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "persistent LPT")), 2),
+    "gap.lpt.persistent_over_fast_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "persistent LPT")), 2),
+    "gap.lpt.groups_over_fast_min": Figure(LPT_GROUPS, lambda d: min(_groups_over_fast(d)), 2),
+    "gap.lpt.groups_over_fast_max": Figure(LPT_GROUPS, lambda d: max(_groups_over_fast(d)), 2),
+    "gap.lpt.group_heads_1k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][0]["head_group"]),
+    "gap.lpt.group_heads_16k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][-1]["head_group"]),
+    # 05, the last gap: FP8 speed (kernel alone, and with PyTorch's quantization) and error (RMS in units of 10^-3)
+    "gap.fp8.over_fast_d128_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=128)), 2),
+    "gap.fp8.over_fast_d128_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "FP8", d=128)), 2),
+    "gap.fp8.over_fast_d64_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=64)), 2),
+    "gap.fp8.over_fast_d64_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "FP8", d=64)), 2),
+    "gap.fp8.tflops_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["FP8"]),
+    "gap.fp8.quantize_tflops_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["FP8 + quantize"]),
+    "gap.fp8.quantize_tflops_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["FP8 + quantize"]),
+    "gap.fp8.rms_bf16_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "bf16 fast_attention", "rms"), 2),
+    "gap.fp8.rms_fp8_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8", "rms"), 2),
+    "gap.fp8.rms_rot_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8 + rotation", "rms"), 2),
+    "gap.fp8.rms_bf16_outliers": Figure(
+        LAST_GAP, lambda d: 1e3 * _fp8_error(d, _OUTLIERS, "bf16 fast_attention", "rms"), 2),
+    "gap.fp8.rms_fp8_outliers": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _OUTLIERS, "FP8", "rms"), 2),
+    "gap.fp8.rms_rot_outliers": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _OUTLIERS, "FP8 + rotation", "rms"), 2),
+    "gap.fp8.max_fp8_outliers": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8", "max"), 2),
+    "gap.fp8.max_rot_outliers": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8 + rotation", "max"), 2),
+    "gap.fp8.rotation_gain": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8", "rms")
+                                    / _fp8_error(d, _OUTLIERS, "FP8 + rotation", "rms"), 1),
+    # 05's last part, continued: the lse forward, Hopper's pipelining options, decode at short caches
+    "gap2.lse.over_fast_min": Figure(LAST_GAP_2, lambda d: min(_lse_over_fast(d)), 2),
+    "gap2.lse.over_fast_max": Figure(LAST_GAP_2, lambda d: max(_lse_over_fast(d)), 2),
+    "gap2.lse.over_fast_median": Figure(LAST_GAP_2, lambda d: sorted(_lse_over_fast(d))[len(d["prefill"]) // 2], 2),
+    "gap2.lse.rows": Figure(LAST_GAP_2, lambda d: len(d["prefill"])),
+    "gap2.lse.error_e6": Figure(LAST_GAP_2, lambda d: 1e6 * max(r["lse error"] for r in d["prefill"]), 1),
+    "gap2.fast.repeat_4k": Figure(LAST_GAP_2, lambda d: d["prefill"][2]["fast_attention"]),
+    "gap2.fast.trial_4k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 4096, "fast_attention")),
+    "hopper.of_cudnn_min": Figure(HOPPER, lambda d: min(_hopper_ratios(d, False)), 2),
+    "hopper.of_cudnn_max": Figure(HOPPER, lambda d: max(_hopper_ratios(d, False)), 2),
+    "hopper.best_of_cudnn_min": Figure(HOPPER, lambda d: min(_hopper_ratios(d, True)), 2),
+    "hopper.best_of_cudnn_max": Figure(HOPPER, lambda d: max(_hopper_ratios(d, True)), 2),
+    "hopper.rows_at_cudnn": Figure(HOPPER, lambda d: sum(x >= 0.995 for x in _hopper_ratios(d, True))),
+    "hopper.rows": Figure(HOPPER, lambda d: len(d["prefill"])),
+    "hopper.causal_16k": Figure(HOPPER, lambda d: _hopper_row(d, 16384)["hopper_attention"]),
+    "hopper.cudnn_causal_16k": Figure(HOPPER, lambda d: _hopper_row(d, 16384)["SDPA cuDNN"]),
+    "hopper.fast_causal_16k": Figure(HOPPER, lambda d: _hopper_row(d, 16384)["fast_attention"]),
+    "hopper.causal_1k_of_cudnn": Figure(HOPPER, lambda d: _hopper_row(d, 1024)["hopper_attention"]
+                                        / _hopper_row(d, 1024)["SDPA cuDNN"], 2),
+    "hopper.full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["hopper_attention"]),
+    "hopper.fast_full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["fast_attention"]),
+    "hopper.repeat_rows_within_5": Figure(HOPPER, lambda d: sum(abs(x - 1) <= 0.05 for x in _hopper_repeats(d))),
+    "hopper.repeat_worst_pct": Figure(HOPPER, lambda d: 100 * max(abs(x - 1) for x in _hopper_repeats(d))),
+    "fused.over_two_min": Figure(FUSED, lambda d: min(_fused_over_two(d)), 2),
+    "fused.over_two_max": Figure(FUSED, lambda d: max(_fused_over_two(d)), 2),
+    "fused.tbs_8k": Figure(FUSED, lambda d: _decode(d, 1, 8192, "decode_fused")["fused_decode"], 2),
+    "fused.two_8k": Figure(FUSED, lambda d: _decode(d, 1, 8192, "decode_fused")["fast_decode"], 2),
+    "gap2.stages.s3_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s3")),
+    "gap2.stages.s5_128x64_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x64 w8 s5")),
+    "gap2.stages.s3_128x128_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 16384, "128x128 w8 s3")),
+    "gap2.stages.s3_64x64_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 1024, "64x64 w4 s3")),
+    "gap2.stages.s4_64x64_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline", 1024, "64x64 w4 s4")),
+    "gap2.ws.best_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 1024, "128x128 w8 s3 ws")),
+    "gap2.ws.best_4k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 4096, "128x128 w8 s3 ws")),
+    "gap2.ws.best_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 16384, "128x128 w8 s3 ws")),
+    "gap2.ws.tuned_1k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 1024, "fast_attention_lse")),
+    "gap2.ws.tuned_4k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 4096, "fast_attention_lse")),
+    "gap2.ws.tuned_16k": Figure(TRIALS, lambda d: _trial(d, "pipeline_ws", 16384, "fast_attention_lse")),
+    "gap2.ws.chosen_rows": Figure(LAST_GAP_2, lambda d: sum("WARP_SPECIALIZE: True" in r["lse config"]
+                                                            for r in d["prefill"])),
+    "gap2.decode.copy_tbs": Figure(LAST_GAP_2, lambda d: d["copy_tbs"], 2),
+    "gap2.decode.default_1k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 1024)["fast_decode"], 2),
+    "gap2.decode.short_1k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 1024)["short-cache splits"], 2),
+    "gap2.decode.default_2k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 2048)["fast_decode"], 2),
+    "gap2.decode.short_2k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 2048)["short-cache splits"], 2),
+    "gap2.decode.default_4k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 4096)["fast_decode"], 2),
+    "gap2.decode.short_4k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 4096)["short-cache splits"], 2),
+    "gap2.decode.short_8k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 8192)["short-cache splits"], 2),
+    "gap2.decode.short_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 8192)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.short_16k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 16384)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.short_32k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 32768)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.copy_8k": Figure(LAST_GAP_2, lambda d: _decode(d, 1, 8192)["copy_same_bytes"], 2),
+    "gap2.decode.copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 8192)["copy_same_bytes"] / d["copy_tbs"]),
+    "gap2.decode.of_copy_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 1, 8192)["short-cache splits"]
+                                         / _decode(d, 1, 8192)["copy_same_bytes"]),
+    "gap2.decode.b8_8k_pct": Figure(LAST_GAP_2, lambda d: 100 * _decode(d, 8, 8192)["short-cache splits"] / d["copy_tbs"]),
+    "gap2.decode.over_cudnn_min": Figure(LAST_GAP_2, lambda d: min(r["short-cache splits"] / r["SDPA cuDNN"]
+                                                                   for r in d["decode"]), 2),
+    "gap2.decode.over_cudnn_max": Figure(LAST_GAP_2, lambda d: max(r["short-cache splits"] / r["SDPA cuDNN"]
+                                                                   for r in d["decode"]), 2),
+    # 04's kernel against SDPA (benchmarks/results), quoted by 05
+    "flash04.over_sdpa_d128_min": Figure(FLASH_REPORT, lambda r: min(_flash_04(r, "flash / SDPA flash", 128)), 2),
+    "flash04.over_sdpa_d128_max": Figure(FLASH_REPORT, lambda r: max(_flash_04(r, "flash / SDPA flash", 128)), 2),
+    "flash04.over_sdpa_d64_min": Figure(FLASH_REPORT, lambda r: min(_flash_04(r, "flash / SDPA flash", 64, 2048)), 2),
+    "flash04.over_sdpa_d64_max": Figure(FLASH_REPORT, lambda r: max(_flash_04(r, "flash / SDPA flash", 64, 2048)), 2),
+    "flash04.cudnn_over_min": Figure(FLASH_REPORT, lambda r: min(_cudnn_over_04(r)), 1),
+    "flash04.cudnn_over_max": Figure(FLASH_REPORT, lambda r: max(_cudnn_over_04(r)), 1),
+    "flash04.sweep_sdpa_over": Figure(SWEEP_04, lambda d: _sweep_sdpa_over_04(d, 2048), 1),
+    # 03, the memory measured by the solution (CPU, dispatch tracker; B = 1, 4 heads, D = 64, float32)
+    "memory03.causal_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[0]),
+    "memory03.online_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[1]),
+    "memory03.saving_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[0] - _memory_peaks(out, 4096)[1]),
+    "memory03.ratio_4k": Figure(SOLUTION_03, lambda out: _memory_peaks(out, 4096)[0] / _memory_peaks(out, 4096)[1]),
+    "memory03.causal_16k_predicted": Figure(SOLUTION_03, lambda out: 16 * _memory_peaks(out, 4096)[0]),
+    "memory03.causal_16k_predicted_gib": Figure(SOLUTION_03, lambda out: 16 * _memory_peaks(out, 4096)[0] / 1024, 1),
+    "memory03.online_16k_predicted": Figure(SOLUTION_03, lambda out: 4 * _memory_peaks(out, 4096)[1]),
+    # 07, the ring on two H200s beside one GPU and torch's context_parallel (bf16 causal, Hq 32 / Hkv 8, D = 128)
+    "ring.one_gpu_ms_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "course kernel, 1 GPU", "ms")),
+    "ring.ms_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 1),
+    "ring.speedup_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, zigzag, overlapped", "speed-up over 1 GPU"), 2),
+    "ring.speedup_256k": Figure(RING_REPORT, lambda r: _ring(r, 262144, "ring, zigzag, overlapped", "speed-up over 1 GPU"), 2),
+    "ring.tflops_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, zigzag, overlapped", "TFLOP/s per GPU")),
+    "ring.cp_cudnn_ms_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "context_parallel, SDPA cuDNN", "ms"), 1),
+    "ring.cp_cudnn_tflops_128k": Figure(
+        RING_REPORT, lambda r: _ring(r, 131072, "context_parallel, SDPA cuDNN", "TFLOP/s per GPU")),
+    "ring.of_cp_min": Figure(RING_REPORT, lambda r: min(_ring_column(r, "ring / context_parallel speed")), 2),
+    "ring.of_cp_max": Figure(RING_REPORT, lambda r: max(_ring_column(r, "ring / context_parallel speed")), 2),
+    "ring.over_cp_flash_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "context_parallel, SDPA flash", "ms")
+                                      / _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 2),
+    "ring.contiguous_over_zigzag_128k": Figure(RING_REPORT, lambda r: _ring(r, 131072, "ring, contiguous, overlapped", "ms")
+                                               / _ring(r, 131072, "ring, zigzag, overlapped", "ms"), 2),
+    "ring.overlap_gain_256k_pct": Figure(RING_REPORT, lambda r: 100 * (_ring(r, 262144, "ring, zigzag, not overlapped", "ms")
+                                                                      / _ring(r, 262144, "ring, zigzag, overlapped", "ms") - 1), 1),
+    "ring.max_diff": Figure(RING_REPORT, lambda r: max(float(row["max abs diff"]) for row in r.tables[0]
+                                                       if row["what"].startswith("ring")), 5),
+}
+
+
+def quoted(text: str) -> list[tuple[str, str]]:
+    """The (name, value as written) of every figure quoted in a markdown text."""
+    return [(m["name"], m["value"] or "") for m in MARKER.finditer(text)]
+
+
+def fill(text: str) -> str:
+    """The text with every quoted value rewritten from its source (KeyError for an unknown name)."""
+    return MARKER.sub(lambda m: f"{FIGURES[m['name']].text()}<!--fig:{m['name']}-->", text)
+
+
+def markdown_cells(path: Path) -> list[nbformat.NotebookNode]:
+    return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"]
+
+
+def problems(path: Path, label: str) -> list[str]:
+    """Every quoted figure of a notebook that is unknown or differs from what its source gives."""
+    found = []
+    for cell in markdown_cells(path):
+        for name, value in quoted(cell.source):
+            if name not in FIGURES:
+                found.append(f"{label}: cell {cell.get('id')} quotes an unknown figure {name!r}")
+            elif value != FIGURES[name].text():
+                found.append(f"{label}: cell {cell.get('id')} quotes {name} as {value or 'nothing'}, its source "
+                             f"{FIGURES[name].source} gives {FIGURES[name].text()}")
+    return found
+
+
+def write_figures(path: Path) -> bool:
+    """Rewrite the quoted figures of a source notebook from their sources; True when anything changed."""
+    nb = nbformat.read(path, as_version=4)
+    changed = False
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and MARKER.search(cell.source):
+            text = fill(cell.source)
+            changed |= text != cell.source
+            cell.source = text
+    if changed:
+        nbformat.write(nb, path)
+    return changed

@@ -1,0 +1,582 @@
+"""Checks for attention's backward pass and its saved log-sum-exp, naming the learner's likely mistake.
+
+The functions under test follow the course's shapes: q [B, Hq, T, D], k and v [B, Hkv, S, D].
+
+    forward(q, k, v, **kwargs) -> (o [B, Hq, T, Dv], lse [B, Hq, T] float32, natural log)
+    backward(q, k, v, o, lse, do, **kwargs) -> (dq like q, dk like k, dv like v)
+
+The ground truth is torch.autograd through `flashcourse.checks.reference.attention` in float64. A row that
+sees no key has o = 0 and lse = -inf, and contributes nothing to any gradient (the reference raises
+on such rows, so there the same masked softmax is differentiated with those rows set to zero).
+
+When an answer is wrong, it is compared with the answers of deliberately wrong versions, one per
+classic mistake, and the message names the mistake only when the answer matches it:
+
+    delta_missing        dS = P * dP, without subtracting Delta
+    delta_from_do        Delta = rowsum(dO) instead of rowsum(dO * O)
+    delta_from_o         Delta = rowsum(O)
+    p_from_max           P rebuilt as exp(S - m), the row maximum saved instead of the log-sum-exp
+    lse_read_as_base2    a natural-log lse used as if it were base 2 (exp2(S log2 e - lse))
+    base2_lse_with_exp   a base-2 lse used with exp (exp(S - lse2))
+    dq_no_scale, dk_no_scale, dq_dk_no_scale                  the scale 1/sqrt(D) missing
+    dq_scale_twice, dk_scale_twice, dq_dk_scale_twice         the scale applied twice
+    no_causal_backward   the causal mask left out when P is rebuilt
+    gqa_last_head        dk, dv written per query head, so the last head of each group wins
+
+and, for the saved lse: lse_is_max (m saved, without log l), lse_base2 (log2 instead of ln), lse_log_l
+(log l without m). NaN gradients on rows that see no key are named as exp(-inf - -inf). One mistake
+belongs to the Triton dK/dV kernel, whose causal loop walks the query blocks backwards: a loop that starts
+one query block late (`dkdv_start_variant`, tried for the usual block sizes) drops from dK and dV the
+queries of the first query block that sees each key block; dQ stays right.
+
+A training step (forward through autograd, then loss.backward()) is checked by `check_train_step`.
+
+    from flashcourse.checks import core as ac, backward as bc
+    bc.check_forward_lse(online_attention_lse, [c.with_kwargs(tile=4) for c in ac.standard_cases()])
+    bc.check_backward(attention_backward, ac.standard_cases())
+
+References: Dao et al. (2022), FlashAttention, appendix B (the backward pass); Dao (2023),
+FlashAttention-2, section 3.1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import zlib
+from typing import Callable, Iterable
+
+import torch
+
+from flashcourse.checks import core as ac
+from flashcourse.checks import reference
+from flashcourse.checks.core import Case
+from flashcourse.positions import positions
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+GRADIENTS = ("dq", "dk", "dv")
+
+BACKWARD_BUGS = {
+    "delta_missing": "Delta was left out: dS = P * dP instead of P * (dP - Delta), Delta = rowsum(dO * O)",
+    "delta_from_do": "Delta was computed as rowsum(dO) instead of rowsum(dO * O)",
+    "delta_from_o": "Delta was computed as rowsum(O) instead of rowsum(dO * O)",
+    "p_from_max": "P was rebuilt as exp(S - m) with the row maximum m, without dividing by l: the saved "
+                  "statistic must be the log-sum-exp m + log(l)",
+    "lse_read_as_base2": "the natural-log lse was used as a base-2 one (exp2(S * log2(e) - lse)): convert it, "
+                         "exp2(S * log2(e) - lse * log2(e)), or use exp(S - lse)",
+    "base2_lse_with_exp": "a base-2 lse was used with exp (exp(S - lse2)): use exp2(S * log2(e) - lse2), or save "
+                          "the natural log lse2 * ln(2)",
+    "dq_no_scale": "dQ is missing the scale: dQ = scale * dS K",
+    "dk_no_scale": "dK is missing the scale: dK = scale * dS^T Q",
+    "dq_dk_no_scale": "dQ and dK are both missing the scale: dQ = scale * dS K and dK = scale * dS^T Q",
+    "dq_scale_twice": "dQ got the scale twice (once in S, once more in dQ = scale * dS K, with Q already scaled)",
+    "dk_scale_twice": "dK got the scale twice (dK = scale * dS^T Q with Q already scaled, or the scale applied twice)",
+    "dq_dk_scale_twice": "dQ and dK both got the scale twice",
+    "no_causal_backward": "the causal mask was left out of the backward pass: P = exp(S - lse) was rebuilt for keys "
+                          "the query may not see",
+    "gqa_last_head": "dK and dV were written per query head, so the last query head of each group overwrote the "
+                     "others: sum them over the query heads that share the KV head",
+}
+LSE_BUGS = {
+    "lse_is_max": "the saved lse is the row maximum m: the log-sum-exp is m + log(l)",
+    "lse_base2": "the saved lse is in base 2 (log2 of the sum of exponentials): the course saves the natural "
+                 "log, lse2 * ln(2)",
+    "lse_log_l": "the saved lse is log(l) without m: the log-sum-exp is m + log(l)",
+}
+NAN_HINT = ("a query row that sees no key has lse = -inf, and exp(S - lse) is exp(-inf - (-inf)) = NaN there: "
+            "give such rows P = 0 (for example, rebuild P against 0 where lse is -inf)")
+
+
+def upstream(case: Case) -> torch.Tensor:
+    """The seeded upstream gradient dO [B, Hq, T, Dv] of a case, in its dtype and on its device."""
+    b, hq, t, _ = case.q.shape
+    seed = zlib.crc32(f"{case.name} {list(case.q.shape)} {list(case.k.shape)}".encode())
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, hq, t, case.v.shape[-1], generator=gen, dtype=torch.float64).to(case.q.device, case.q.dtype)
+
+
+def _masked_scores(case: Case):
+    """float64 scaled scores with -inf where a key is invisible [B, Hq, T, S], values [B, Hq, S, Dv], mask."""
+    scores, v, mask = ac._scores_and_mask(case)
+    return scores.masked_fill(~mask, -math.inf), v, mask
+
+
+def reference_forward(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (o [B, Hq, T, Dv], lse [B, Hq, T]); a row that sees no key has o = 0 and lse = -inf."""
+    scores, v, _ = _masked_scores(case.to("cpu"))
+    lse = torch.logsumexp(scores, dim=-1)                               # -inf where every score is -inf
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - safe[..., None]) @ v, lse
+
+
+def saved(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a correct forward saves for the backward: o in the case's dtype, lse in float32, on its device."""
+    o, lse = reference_forward(case)
+    return o.to(case.q.device, case.q.dtype), lse.to(case.q.device, torch.float32)
+
+
+def reference_gradients(case: Case, do: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 (dq, dk, dv) by torch.autograd through flashcourse.checks.reference.attention.
+
+    Rows that see no key are left out of the loss: their output is zero whatever q, k, v are.
+    """
+    cpu = case.to("cpu")
+    q, k, v = (x.detach().double().requires_grad_() for x in (cpu.q, cpu.k, cpu.v))
+    mask = reference.visible_mask(q, k, cpu.query_positions, cpu.key_positions)    # [B, 1, T, S]
+    seen = mask.any(-1)                                                             # [B, 1, T]
+    if bool(seen.all()):
+        out = reference.attention(q, k, v, cpu.query_positions, cpu.key_positions)
+    else:
+        # The same masked softmax, with the empty rows' scores replaced by zeros and their weights dropped.
+        group = q.shape[1] // k.shape[1]
+        scores = q @ k.repeat_interleave(group, 1).transpose(-2, -1) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(~mask, -math.inf).masked_fill(~seen[..., None], 0.0)
+        out = (torch.softmax(scores, -1) * seen[..., None]) @ v.repeat_interleave(group, 1)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do.detach().cpu().double())
+    return dq, dk, dv
+
+
+def backward_variant(case: Case, do: torch.Tensor, bug: str | None = None, kv_dropped: torch.Tensor | None = None):
+    """float64 (dq, dk, dv) from the backward formulas, with one of BACKWARD_BUGS injected (or none).
+
+    The forward is always the correct one (o and lse exact): only the backward pass goes wrong.
+    kv_dropped ([B, 1, T, S] booleans) leaves those (query, key) pairs out of dK and dV only, as a dK/dV
+    kernel whose loop skips some queries does.
+    """
+    if bug is not None and bug not in BACKWARD_BUGS:
+        raise ValueError(f"unknown backward bug {bug!r}; choose one of {tuple(BACKWARD_BUGS)}")
+    cpu = case.to("cpu")
+    q, k = cpu.q.double(), cpu.k.double()
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    scores, v, mask = ac._scores_and_mask(cpu)                        # [B, Hq, T, S], [B, Hq, S, Dv], [B, 1, T, S]
+    do = do.detach().cpu().double()
+    o, lse = reference_forward(cpu)
+    seen = torch.isfinite(lse)[..., None]                             # [B, Hq, T, 1]
+    lse = torch.where(seen, lse[..., None], torch.zeros_like(o[..., :1]))
+    visible = mask if bug != "no_causal_backward" else torch.ones_like(mask)
+    if bug == "p_from_max":
+        row_max = scores.masked_fill(~mask, -math.inf).amax(-1, keepdim=True)
+        lse = torch.where(seen, row_max, torch.zeros_like(row_max))
+    elif bug == "lse_read_as_base2":
+        lse = lse * LN2
+    elif bug == "base2_lse_with_exp":
+        lse = lse * LOG2E
+    p = torch.exp(scores - lse).masked_fill(~visible, 0.0) * seen     # [B, Hq, T, S]
+    delta = {"delta_missing": torch.zeros_like(lse), "delta_from_do": do.sum(-1, keepdim=True),
+             "delta_from_o": o.sum(-1, keepdim=True)}.get(bug, (do * o).sum(-1, keepdim=True))
+    dp = do @ v.transpose(-2, -1)                                     # [B, Hq, T, S]
+    ds = p * (dp - delta)
+    q_scale = {"dq_no_scale": 1.0, "dq_dk_no_scale": 1.0, "dq_scale_twice": scale**2,
+               "dq_dk_scale_twice": scale**2}.get(bug, scale)
+    k_scale = {"dk_no_scale": 1.0, "dq_dk_no_scale": 1.0, "dk_scale_twice": scale**2,
+               "dq_dk_scale_twice": scale**2}.get(bug, scale)
+    heads = torch.arange(hq) // group
+    dq = q_scale * ds @ k[:, heads]                                   # [B, Hq, T, D]
+    if kv_dropped is not None:
+        p, ds = p.masked_fill(kv_dropped, 0.0), ds.masked_fill(kv_dropped, 0.0)
+    dk_heads = (k_scale * ds.transpose(-2, -1) @ q).reshape(b, hkv, group, s, d)
+    dv_heads = (p.transpose(-2, -1) @ do).reshape(b, hkv, group, s, -1)
+    if bug == "gqa_last_head":
+        return dq, dk_heads[:, :, -1], dv_heads[:, :, -1]
+    return dq, dk_heads.sum(2), dv_heads.sum(2)
+
+
+def lse_variant(case: Case, bug: str) -> torch.Tensor:
+    """The float64 lse [B, Hq, T] a forward with one of LSE_BUGS saves."""
+    scores, _, _ = _masked_scores(case.to("cpu"))
+    _, lse = reference_forward(case)
+    row_max = scores.amax(-1)
+    if bug == "lse_is_max":
+        return row_max
+    if bug == "lse_base2":
+        return lse * LOG2E
+    if bug == "lse_log_l":
+        return torch.where(torch.isfinite(lse), lse - row_max, lse)
+    raise ValueError(f"unknown lse bug {bug!r}; choose one of {tuple(LSE_BUGS)}")
+
+
+def _where_row(case: Case, index: tuple[int, ...]) -> str:
+    return ac._where(case.to("cpu"), index)
+
+
+def _first_wrong(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple[int, ...] | None:
+    ok = ac._close(got, want, rtol, atol)
+    if bool(ok.all()):
+        return None
+    error = ((got - want).abs() - rtol * want.abs()).nan_to_num(math.inf).masked_fill(ok, -math.inf)
+    return tuple(int(x) for x in torch.unravel_index(error.argmax(), error.shape))
+
+
+def _empty_rows(case: Case) -> torch.Tensor:
+    """[B, T] booleans: query rows that see no key at all."""
+    _, _, mask = ac._scores_and_mask(case.to("cpu"))
+    return ~mask[:, 0].any(-1)
+
+
+def explain_lse(got, case: Case, what: str = "lse") -> str | None:
+    """None when `got` is the natural-log log-sum-exp [B, Hq, T] in float32 (-inf on rows that see no key)."""
+    where = f"{what}, {case.describe()}"
+    _, want = reference_forward(case)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+        shape = list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        return f"{where}: lse should be a tensor [B, Hq, T] = {list(want.shape)}, got {shape}"
+    if got.dtype != torch.float32:
+        return f"{where}: lse should be float32 whatever the inputs' dtype (it feeds exp), got {got.dtype}"
+    got = got.detach().cpu().double()
+    empty = torch.isinf(want)
+    if bool(torch.isnan(got).any()):
+        index = tuple(int(x) for x in torch.isnan(got).nonzero()[0])
+        cause = (" That row sees no key: its lse is log(0) = -inf, not log(0 / 0)." if bool(empty[index]) else "")
+        return f"{where}: NaN at {_where_row(case, index)}.{cause}"
+    if bool((got[empty] != -math.inf).any()):
+        index = tuple(int(x) for x in (empty & (got != -math.inf)).nonzero()[0])
+        return (f"{where}: {_where_row(case, index)} sees no key, so its lse must be -inf (log of an empty sum), "
+                f"got {ac._fmt(got[index])}")
+    rtol, atol = ac.tolerance(case.q.dtype)
+    index = _first_wrong(got.masked_fill(empty, 0.0), want.masked_fill(empty, 0.0), rtol, atol)
+    if index is None:
+        return None
+    message = (f"{where}: wrong at {_where_row(case, index)}: got {ac._fmt(got[index])}, expected "
+               f"{ac._fmt(want[index])} = log of the sum of exp(s) over the keys the row sees "
+               f"(tolerance rtol={rtol:g}, atol={atol:g}).")
+    for bug, words in LSE_BUGS.items():
+        wrong = lse_variant(case, bug).masked_fill(empty, 0.0)
+        if not bool(ac._close(wrong, want.masked_fill(empty, 0.0), rtol, atol).all()) and \
+                bool(ac._close(got.masked_fill(empty, 0.0), wrong, 2 * rtol, 2 * atol).all()):
+            return f"{message} This is exactly what happens when {words}."
+    return message + " Save m + log(l), the final state's maximum plus the log of its sum."
+
+
+def explain_forward(result, case: Case, tile: int | None = None, what: str = "forward") -> str | None:
+    """None when `result` is (o, lse) for `case`, else a message naming which one is wrong and how."""
+    where = f"{what}, {case.describe()}"
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        return f"{where}: should return the pair (o, lse), got {type(result).__name__}"
+    o, lse = result
+    empty = _empty_rows(case)
+    if not bool(empty.any()):
+        problem = ac.explain_output(o, case, tile=tile, what=f"{what} (its output o)")
+    else:
+        problem = _explain_output_with_empty_rows(o, case, empty, where)
+    return problem or explain_lse(lse, case, f"{what} (its lse)")
+
+
+def _explain_output_with_empty_rows(o, case: Case, empty: torch.Tensor, where: str) -> str | None:
+    want, _ = reference_forward(case)
+    if not isinstance(o, torch.Tensor) or tuple(o.shape) != tuple(want.shape):
+        return f"{where}: o should be a tensor {list(want.shape)} ([B, Hq, T, Dv])"
+    got = o.detach().cpu().double()
+    if bool(torch.isnan(got).any()):
+        index = tuple(int(x) for x in torch.isnan(got).nonzero()[0])
+        hint = (" That row sees no key: its output is 0 (l = 0, a = 0), so divide only where l > 0."
+                if bool(empty[index[0], index[2]]) else f" {ac.NAN_HINT}.")
+        return f"{where}: NaN in o at {_where_row(case, index)}.{hint}"
+    rtol, atol = ac.tolerance(case.q.dtype)
+    index = _first_wrong(got, want, rtol, atol)
+    if index is None:
+        return None
+    row = "which sees no key, so its output must be 0" if bool(empty[index[0], index[2]]) else "which sees keys"
+    return (f"{where}: o wrong at {_where_row(case, index)} ({row}), element {index[3]}: got "
+            f"{ac._fmt(got[index])}, expected {ac._fmt(want[index])}.")
+
+
+def check_forward_lse(fn: Callable, cases: Iterable[Case], tile_arg: str | None = "tile") -> None:
+    """fn(q, k, v, **kwargs) must return (o, lse) equal to the reference's; AssertionError naming the mistake."""
+    what = getattr(fn, "__name__", "forward")
+    for case in cases:
+        try:
+            result = case.call(fn)
+        except ValueError as error:
+            why = (" A row that sees no key is not an error here: its o is 0 and its lse -inf."
+                   if bool(_empty_rows(case).any()) else "")
+            raise AssertionError(f"{what}, {case.describe()}: raised ValueError({str(error)!r}) on valid "
+                                 f"arguments.{why}") from None
+        problem = explain_forward(result, case, case.kwargs.get(tile_arg) if tile_arg else None, what)
+        if problem:
+            raise AssertionError(problem)
+
+
+def _as_gradients(result, case: Case, where: str):
+    """The three gradients as float64 CPU tensors, or a message saying what is wrong with their form."""
+    if not isinstance(result, (tuple, list)) or len(result) != 3:
+        return f"{where}: should return the tuple (dq, dk, dv), got {type(result).__name__}"
+    for name, x, like in zip(GRADIENTS, result, (case.q, case.k, case.v)):
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(like.shape):
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            return (f"{where}: {name} should have the shape of {name[1]} {list(like.shape)}, got {shape}"
+                    + (" (GQA: sum the query heads of each KV head)" if name != "dq" and isinstance(x, torch.Tensor)
+                       and x.shape[1] == case.q.shape[1] != case.k.shape[1] else ""))
+    return tuple(x.detach().cpu().double() for x in result)
+
+
+def matching_bugs(got, case: Case, do: torch.Tensor, want, rtol: float, atol: float) -> list[str]:
+    """The names of the backward mistakes whose (dq, dk, dv) on `case` equal `got` (and differ from `want`)."""
+    found = []
+    for bug in BACKWARD_BUGS:
+        wrong = backward_variant(case, do, bug)
+        if all(bool(ac._close(w, r, rtol, atol).all()) for w, r in zip(wrong, want)):
+            continue                         # this mistake changes nothing on this case
+        if all(bool(ac._close(g, w, 2 * rtol, 2 * atol).all()) for g, w in zip(got, wrong)):
+            found.append(bug)
+    return found
+
+
+def explain_gradients(result, case: Case, do: torch.Tensor, what: str = "backward") -> str | None:
+    """None when `result` is (dq, dk, dv) of `case` with upstream gradient `do`, else what is wrong."""
+    where = f"{what}, {case.describe()}"
+    got = _as_gradients(result, case, where)
+    if isinstance(got, str):
+        return got
+    want = reference_gradients(case, do)
+    empty = _empty_rows(case)
+    nan_rows = torch.isnan(got[0]).any(-1)                             # [B, Hq, T]: rows of dq with a NaN
+    for name, g in zip(GRADIENTS, got):
+        if bool(torch.isnan(g).any()):
+            # A row that sees no key turns NaN in its own dq first (dS of that row); dk and dv follow.
+            if bool(nan_rows.any()) and bool(empty[:, None, :].expand_as(nan_rows)[nan_rows].all()):
+                return f"{where}: NaN in {name}, from the rows that see no key. This is what happens when {NAN_HINT}."
+            return (f"{where}: NaN in {name}" + (", although every query row sees a key" if not bool(empty.any())
+                                                 else "") + ": look for inf - inf or 0 / 0 (is P rebuilt as "
+                    "exp(S - lse) only for visible keys?)")
+    rtol, atol = ac.tolerance(case.q.dtype)
+    wrong = [(name, g, w) for name, g, w in zip(GRADIENTS, got, want) if _first_wrong(g, w, rtol, atol)]
+    if not wrong:
+        return None
+    name, g, w = wrong[0]
+    index = _first_wrong(g, w, rtol, atol)
+    if name == "dq":
+        place = f"{_where_row(case, index)}, element {index[3]}"
+    else:
+        place = f"batch {index[0]}, KV head {index[1]}, key {index[2]}, element {index[3]}"
+    message = (f"{where}: {', '.join(n for n, _, _ in wrong)} wrong; {name} at {place}: got {ac._fmt(g[index])}, "
+               f"expected {ac._fmt(w[index])} (tolerance rtol={rtol:g}, atol={atol:g}).")
+    bugs = matching_bugs(got, case, do, want, rtol, atol)
+    if bugs:
+        return f"{message} This is exactly what happens when " + ", or when ".join(BACKWARD_BUGS[b] for b in bugs) + "."
+    blocks = _start_late_blocks(got, case, do, rtol, atol) if wrong[0][0] != "dq" else []
+    if blocks:  # on one case several block sizes can drop the same rows: all of them are named
+        sizes = " or ".join(f"({m}, {n})" for m, n in blocks)
+        return (f"{message} This is exactly what happens (with (BLOCK_M, BLOCK_N) = {sizes}) when {START_LATE}.")
+    return message + (" Check Delta = rowsum(dO * O), P = exp(S - lse) on visible keys only, the scale in dQ and "
+                      "dK, and that dK and dV sum over the query heads of each KV head.")
+
+
+# (BLOCK_M, BLOCK_N) pairs of the dK/dV kernel tried when its loop may start a query block late.
+KERNEL_BLOCKS = tuple((m, n) for m in (16, 32, 64, 128) for n in (16, 32, 64, 128))
+START_LATE = ("the dK/dV loop starts one query block late: key block n is first seen by query first = n * BLOCK_N "
+              "- offset, and the loop must start at the block that holds it, (first // BLOCK_M) * BLOCK_M, so dK and "
+              "dV miss the queries from first to the next block boundary")
+
+
+def _offsets(case: Case) -> torch.Tensor | None:
+    """[B] the position of query 0 when the queries sit at offset + i (as a kernel's query_offset places
+    them) and the keys at 0, 1, ...; None for other positions."""
+    b, _, t, _ = case.q.shape
+    s = case.k.shape[2]
+    if case.key_positions is not None and not torch.equal(torch.as_tensor(case.key_positions).cpu(), torch.arange(s)):
+        return None
+    qp = positions(case.query_positions, b, t, s - t, "cpu")                        # [B, T]
+    if not torch.equal(qp, qp[:, :1] + torch.arange(t)):
+        return None
+    return qp[:, 0]
+
+
+def dkdv_start_variant(case: Case, do: torch.Tensor, block_m: int, block_n: int, rounded_up: bool = False):
+    """float64 (dq, dk, dv) of a kernel whose dK/dV loop starts one query block late (dq right), or None when
+    the case's positions are not those of a query offset or the mistake changes nothing on it.
+
+    The loop starts at the block after the one holding `first` ((first // BLOCK_M + 1) * BLOCK_M), or, with
+    rounded_up, at first rounded up to a block boundary (late only where first is not on one).
+    """
+    offsets = _offsets(case)
+    if offsets is None:
+        return None
+    t, s = case.q.shape[2], case.k.shape[2]
+    first = ((torch.arange(s) // block_n * block_n)[None, :] - offsets[:, None]).clamp(min=0)   # [B, S]
+    late = (first + block_m - 1) // block_m * block_m if rounded_up else (first // block_m + 1) * block_m
+    rows = torch.arange(t)[None, :, None]                                           # [1, T, 1]
+    dropped = ((rows >= first[:, None, :]) & (rows < late[:, None, :]))[:, None]    # [B, 1, T, S]
+    _, _, mask = ac._scores_and_mask(case.to("cpu"))
+    if not bool((dropped & mask).any()):
+        return None
+    return backward_variant(case, do, kv_dropped=dropped)
+
+
+def _start_late_blocks(got, case: Case, do: torch.Tensor, rtol: float, atol: float) -> list[tuple[int, int]]:
+    """Every (BLOCK_M, BLOCK_N) whose start-late dK/dV (either way of starting late) `got` equals."""
+    found = []
+    for (block_m, block_n), rounded_up in itertools.product(KERNEL_BLOCKS, (False, True)):
+        if (block_m, block_n) in found:
+            continue
+        wrong = dkdv_start_variant(case, do, block_m, block_n, rounded_up)
+        if wrong is not None and all(bool(ac._close(g, w, 2 * rtol, 2 * atol).all()) for g, w in zip(got, wrong)):
+            found.append((block_m, block_n))
+    return found
+
+
+def call_backward(fn: Callable, case: Case, do: torch.Tensor | None = None):
+    """fn(q, k, v, o, lse, do, **kwargs) with the exact saved o and lse; returns (result, do)."""
+    do = upstream(case) if do is None else do
+    o, lse = saved(case)
+    return fn(case.q, case.k, case.v, o, lse, do, **case.kwargs), do
+
+
+def check_backward(fn: Callable, cases: Iterable[Case]) -> None:
+    """fn(q, k, v, o, lse, do, **kwargs) must return autograd's (dq, dk, dv); AssertionError naming the mistake."""
+    what = getattr(fn, "__name__", "backward")
+    for case in cases:
+        result, do = call_backward(fn, case)
+        problem = explain_gradients(result, case, do, what)
+        if problem:
+            raise AssertionError(problem)
+
+
+RACE_HINT = ("dq changes from run to run on the same inputs, and is wrong: several programs add into the same rows "
+             "of dQ without tl.atomic_add (a plain load-add-store loses an addition whenever two programs race), or "
+             "dQ is accumulated into memory that was not zeroed first. Use tl.atomic_add into a zeroed FP32 dq, or "
+             "compute dQ in a kernel of its own that writes each row once")
+
+
+def check_backward_repeated(fn: Callable, case: Case, runs: int = 5) -> None:
+    """check_backward, `runs` times on one case: a race on dQ (wrong only sometimes, worse with more programs
+    writing the same rows) fails on a GPU. A wrong answer whose dq differs between runs is named as a race."""
+    what = getattr(fn, "__name__", "backward")
+    do = upstream(case)
+    answers = [call_backward(fn, case, do)[0] for _ in range(runs)]
+    for run, result in enumerate(answers):
+        problem = explain_gradients(result, case, do, what)
+        if problem is None:
+            continue
+        got = [_as_gradients(r, case, "") for r in answers]
+        if not any(isinstance(g, str) for g in got) and \
+                any(not torch.equal(g[0], got[0][0]) for g in got[1:]):
+            raise AssertionError(f"{what}, {case.describe()}, run {run + 1} of {runs}: {RACE_HINT}. ({problem})")
+        raise AssertionError(f"run {run + 1} of {runs}: {problem}")
+
+
+def recognise_gradients(result, case: Case, do: torch.Tensor) -> str | None:
+    """"correct", the name of the backward mistake `result` matches on `case`, or None."""
+    if explain_gradients(result, case, do) is None:
+        return "correct"
+    got = _as_gradients(result, case, "")
+    if isinstance(got, str):
+        return None
+    rtol, atol = ac.tolerance(case.q.dtype)
+    bugs = matching_bugs(got, case, do, reference_gradients(case, do), rtol, atol)
+    return bugs[0] if bugs else None
+
+
+def _rows(case: Case, rows: torch.Tensor) -> Case:
+    """The query rows `rows` of a case as a case of their own, at their absolute positions."""
+    b, _, t, _ = case.q.shape
+    qp = positions(case.query_positions, b, t, case.k.shape[2] - t, "cpu")[:, rows]
+    return Case(f"{case.name}, rows {rows.tolist()}", case.q[:, :, rows], case.k, case.v, qp, case.key_positions)
+
+
+def _saved_by_rows(case: Case, chunk: int = 512):
+    """saved(case), computed `chunk` query rows at a time (never a whole [T, S] matrix)."""
+    parts = [saved(_rows(case, torch.arange(start, min(start + chunk, case.q.shape[2]))))
+             for start in range(0, case.q.shape[2], chunk)]
+    return torch.cat([o for o, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+
+
+def check_backward_memory(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
+    """fn(q, k, v, o, lse, do, **kwargs) must not create a floating-point tensor of T * S elements or more.
+
+    Measured with flashcourse.memory's tracker when fn runs here; through `fn.limited_call` (the
+    address space limited from outside, as attention_checks.check_memory_from_outside does for the
+    forward) when it runs in another process. Its answer must be the gradients or a recognised
+    mistake (graded elsewhere), so a function that gives up earns nothing.
+    """
+    if hasattr(fn, "limited_call"):
+        return _check_backward_memory_from_outside(fn, case, tile_arg)
+    from flashcourse.memory import AllocationTracker
+
+    what = getattr(fn, "__name__", "backward")
+    t, s = case.q.shape[2], case.k.shape[2]
+    do = upstream(case)
+    o, lse = saved(case)
+    with AllocationTracker() as tracker:
+        result = fn(case.q, case.k, case.v, o, lse, do, **case.kwargs)
+    too_big = tracker.created(t * s)
+    if too_big:
+        biggest = max(too_big, key=lambda a: a.numel)
+        raise AssertionError(
+            f"{what}, {case.describe()}: created a {biggest.dtype} tensor of shape {list(biggest.shape)} "
+            f"({biggest.numel} elements, from {biggest.op}), as large as the whole [T, S] = [{t}, {s}] matrix of "
+            f"P. Rebuild P = exp(S - lse) one key tile at a time ([.., {case.kwargs.get(tile_arg)}] keys) and never "
+            "keep it whole.")
+    if recognise_gradients(result, case, do) is None:
+        raise AssertionError(f"{what}, {case.describe()}: the gradients are neither autograd's nor a recognised "
+                             "mistake's, so their memory use is not graded.")
+
+
+# The backward's probe, like 03's (attention_checks.PROBE_SCORE_BYTES): one sequence of one head (B = Hq = Hkv = 1),
+# T and S grown until its float32 [T, S] matrix of P takes PROBE_MATRIX_BYTES (T = 9472, S = 14208 from 06's memory
+# cell), against PROBE_ALLOWANCE. Smaller than the forward's because the backward does about 2.5 times its work per
+# score and its reference (o, lse and a few rows' gradients) is computed here too. Measured in the jail's measured
+# child (2-core CPU shared with other work, D = 8, tile PROBE_TILE): the instructor's attention_backward and every
+# 06 sample of autograder/samples that earns the memory point peak at 101.2 MiB of address space at most (90.1 MiB
+# resident; alt_correct's query-by-key tiles 46 MiB), the call in 2.0 to 3.8 s, the whole check in 8 to 16 s; a loop
+# over strips of 256 query rows against all S keys holds 107 MiB and passes. What cannot fit: that one head's P (or
+# dP) as a whole (513 MiB, 2.7x the allowance), or in bfloat16 or float16 (257 MiB); a per-head backward that
+# turns each head's whole P into dS in place, which held 188 MiB and passed the former probe (all heads' matrices
+# 256 MiB against 192 MiB, so with Hq = 2 one head's 128 MiB fit), is refused at its first [T, S] allocation.
+PROBE_MATRIX_BYTES = 512 << 20   # one float32 [T, S] matrix of P of the probe's one head
+PROBE_ALLOWANCE = 192 << 20      # what the call may map beyond its process's start-up size: the honest peak's 1.9x
+
+
+def _check_backward_memory_from_outside(fn: Callable, case: Case, tile_arg: str) -> None:
+    what = getattr(fn, "__name__", "backward")
+    t, d = case.q.shape[2], case.q.shape[3]
+    s = case.k.shape[2]
+    grow = math.ceil(math.sqrt(PROBE_MATRIX_BYTES / (4 * t * s)))
+    big = ac.make_case(f"{case.name}, one head, {grow}x longer", batch=1, q_heads=1, kv_heads=1, t=t * grow,
+                       s=s * grow, d=d, seed=t * s, **{tile_arg: ac.PROBE_TILE})
+    do = upstream(big)
+    o, lse = _saved_by_rows(big)
+    matrix_mib = 4 * big.q.shape[2] * big.k.shape[2] >> 20
+    try:
+        result = fn.limited_call(PROBE_ALLOWANCE, big.q, big.k, big.v, o, lse, do, **big.kwargs)
+    except MemoryError as error:
+        raise AssertionError(
+            f"{what}, {big.describe()}: with its memory limited to {PROBE_ALLOWANCE >> 20} MiB beyond what the "
+            f"kernel held at start-up, it failed ({error}): it needed more memory than a loop over key tiles holds "
+            f"(a few [T, {ac.PROBE_TILE}] tiles, about 100 MiB). The [T, S] float32 matrix of P of this one head alone "
+            f"takes {matrix_mib} MiB ({matrix_mib // 2} MiB in 16 bits), and so does dP: rebuild P one key tile at a "
+            "time and never keep it whole, not even one head's.") from None
+    got = _as_gradients(result, big, f"{what}, {big.describe()}")
+    if isinstance(got, str):
+        raise AssertionError(got)
+    # dQ of a row depends on that row alone: a few rows are checked against the reference and the mistakes.
+    rows = ac.probe_rows(got, big.q.shape[2])
+    few = _rows(big, rows)
+    few_do = do[:, :, rows]
+    rtol, atol = ac.tolerance(big.q.dtype)
+    answers = [reference_gradients(few, few_do)[0], *(backward_variant(few, few_do, bug)[0] for bug in BACKWARD_BUGS)]
+    if not any(bool(ac._close(got[0][:, :, rows], dq, 2 * rtol, 2 * atol).all()) for dq in answers):
+        raise AssertionError(f"{what}, {big.describe()}: within the memory limit it answered, but dq of rows "
+                             f"{rows.tolist()} is neither the gradient nor a recognised mistake's, so its memory use "
+                             "earns nothing.")
+
+
+def check_train_step(fn: Callable, cases: Iterable[Case]) -> None:
+    """fn(q, k, v, do, **kwargs) -> (o, dq, dk, dv), a forward and loss.backward() with the output's gradient do,
+    must return the reference output and autograd's gradients; AssertionError naming the mistake."""
+    what = getattr(fn, "__name__", "train step")
+    for case in cases:
+        do = upstream(case)
+        result = fn(case.q, case.k, case.v, do, **case.kwargs)
+        where = f"{what}, {case.describe()}"
+        if not isinstance(result, (tuple, list)) or len(result) != 4:
+            raise AssertionError(f"{where}: should return (o, dq, dk, dv), got {type(result).__name__}")
+        problem = (_explain_output_with_empty_rows(result[0], case, _empty_rows(case), f"{where} (the forward)")
+                   or explain_gradients(tuple(result[1:]), case, do, f"{what} (loss.backward())"))
+        if problem:
+            if all(g is None for g in result[1:]):
+                problem += " No gradient reached q, k or v: does FlashAttention.backward return them?"
+            raise AssertionError(problem)

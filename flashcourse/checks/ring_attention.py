@@ -1,0 +1,391 @@
+"""07's checks: the (o, lse) merge, the zigzag layout and ring attention on a real process group.
+
+Each check compares with float64 ground truth (flashcourse.checks.reference) and, when a result is wrong,
+says where (which rank, which query position) and names a classic mistake only when the learner's
+result equals what that mistake computes on the same inputs (`RING_MISTAKES`, `MERGE_MISTAKES`),
+never by reading the learner's code. Ring attention runs on P processes through
+flashcourse.distributed, so a ring that deadlocks fails after a timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from flashcourse.checks import core as ac
+from flashcourse import distributed
+from flashcourse.checks import reference
+
+RING_TIMEOUT_S = 30.0      # per group of ranks; the shapes are small, so only a deadlock takes this long
+                           # (one that leaves every rank idle is stopped after distributed.STALL_S)
+# A ring's memory, measured from outside each rank when graded (autograder/jail/sandbox.py, Jail.call_on_ranks): MHA,
+# H = 128, D = 256, 32 positions per rank, so that one shard of q, k or v is 4 MiB while a step's scores are 0.5 MiB.
+# A ring holds its own q, k and v, the K and V in flight and, if it merges at the end (as alt_correct does), one
+# partial output per step: at most about P + 7 shards. all_gather holds every rank's K and V: 2P shards and its
+# own q at least. The allowance, P + 11 shards, lies between them from P = 11 on.
+# Measured on 2 shared CPU cores (peak resident memory per rank beyond what it had before its shards came, every
+# rank; repeated runs gave the same MiB): at P = 8, honest rings 28-42 MiB (batch_isend_irecv overlapped and
+# double-buffered 42, isend/irecv 28-42, blocking send/recv by parity 34), alt_correct's ring that keeps every
+# partial output 62, all_gather 90; at P = 12 (2 runs each, every rank; 8 to 15 s a group on a loaded machine):
+# honest rings 34-42, alt_correct 78, all_gather 122-123, against an allowance of 92 MiB (23 shards): 14 MiB to
+# spare for alt_correct, 50 for the others, all_gather 30 MiB over.
+MEMORY_HEADS, MEMORY_D, MEMORY_POSITIONS_PER_RANK = 128, 256, 32
+MEMORY_SHARDS_BEYOND_P = 11
+MERGE_TOL = 1e-4           # merges of float32 parts, on o and lse (lse reaches the hundreds: its float32 ulp is 3e-5)
+LAYOUTS = ("zigzag", "contiguous")
+
+
+# --- the layouts, written here independently of the exercise -------------------------------------
+
+def chunk_sizes(length: int, pieces: int) -> list[int]:
+    """torch.tensor_split's sizes: `pieces` chunks, the first length % pieces one longer."""
+    return [length // pieces + (i < length % pieces) for i in range(pieces)]
+
+
+def layout_positions(length: int, rank: int, world_size: int, layout: str) -> torch.Tensor:
+    """The absolute positions [~length / P] rank holds: chunks r and 2P - 1 - r (zigzag) or chunk r of P.
+    ("zigzag, chunks swapped", chunk 2P - 1 - r first, is a mistake's layout, for diagnoses.)"""
+    if layout == "contiguous":
+        sizes = chunk_sizes(length, world_size)
+        return torch.arange(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    sizes = chunk_sizes(length, 2 * world_size)
+    starts = [sum(sizes[:i]) for i in range(2 * world_size)]
+    first, second = rank, 2 * world_size - 1 - rank
+    if layout == "zigzag, chunks swapped":
+        first, second = second, first
+    return torch.cat([torch.arange(starts[first], starts[first] + sizes[first]),
+                      torch.arange(starts[second], starts[second] + sizes[second])])
+
+
+def shard(x: torch.Tensor, rank: int, world_size: int, layout: str, dim: int = 2) -> torch.Tensor:
+    """rank's shard of x along dim, in the given layout."""
+    return x.index_select(dim, layout_positions(x.shape[dim], rank, world_size, layout).to(x.device))
+
+
+def unshard(shards: list, layout: str, dim: int = 2) -> torch.Tensor:
+    """The whole tensor back from every rank's shard."""
+    length = sum(s.shape[dim] for s in shards)
+    order = torch.cat([layout_positions(length, r, len(shards), layout) for r in range(len(shards))])
+    return torch.cat(shards, dim=dim).index_select(dim, torch.argsort(order).to(shards[0].device))
+
+
+# --- float64 partial attention and the ring, with the classic mistakes injectable ----------------
+
+def partial_attention(q, k, v, query_positions, key_positions, causal=True):
+    """(o [B, Hq, T, Dv], lse [B, Hq, T]) in float64 of q attending to these keys only; o = 0, lse = -inf
+    for a row that sees none of them."""
+    group = q.shape[1] // k.shape[1]
+    k64 = k.double().repeat_interleave(group, dim=1)                       # [B, Hq, S, D]
+    v64 = v.double().repeat_interleave(group, dim=1)
+    scores = q.double() @ k64.transpose(-2, -1) / math.sqrt(q.shape[-1])   # [B, Hq, T, S]
+    if causal:
+        scores = scores.masked_fill(key_positions[None, :] > query_positions[:, None], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)                                  # [B, Hq, T]
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - safe[..., None]) @ v64, lse
+
+
+def merge_reference(o1, lse1, o2, lse2):
+    """The exact merge of two (o, lse) parts (float64 in, float64 out)."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(lse1 - safe)[..., None] * o1 + torch.exp(lse2 - safe)[..., None] * o2, lse
+
+
+def _added(o1, lse1, o2, lse2):
+    return o1 + o2, torch.logaddexp(lse1, lse2)
+
+
+MERGE_MISTAKES = {
+    "outputs added without weights (o1 + o2): each part must be weighted by exp(lse_i - lse)": _added,
+    "outputs averaged ((o1 + o2) / 2): each part must be weighted by exp(lse_i - lse), its share of the softmax sum":
+        lambda o1, l1, o2, l2: ((o1 + o2) / 2, torch.logaddexp(l1, l2)),
+    "weights taken in base 2 (2 ** (lse_i - lse)) while lse is a natural log: use exp":
+        lambda o1, l1, o2, l2: _weighted(o1, l1, o2, l2, torch.logaddexp(l1, l2), base=2.0),
+}
+
+
+def _weighted(o1, lse1, o2, lse2, lse, base=math.e):
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w1, w2 = base ** (lse1 - safe), base ** (lse2 - safe)
+    return w1[..., None] * o1 + w2[..., None] * o2, lse
+
+
+RING_MISTAKES = {
+    "causal mask by local index: the mask must compare absolute positions (the layout's), not indices within the shards":
+        dict(local_positions=True),
+    "positions of the contiguous layout used for zigzag shards: the layout decides which positions a shard holds":
+        dict(positions_layout="contiguous"),
+    "the positions of a zigzag whose two chunks are swapped: check zigzag_shard (its test above)":
+        dict(positions_layout="zigzag, chunks swapped"),
+    "the ring stops one step early: P ranks need P steps (the own shard and P - 1 received ones)":
+        dict(steps=-1),
+    "the held shard is labelled with the wrong owner: after s steps rank r holds the shard of rank (r - s) % P, "
+    "received from rank (r - 1) % P":
+        dict(owner_sign=+1),
+    "the own K/V shard is used at every step: the received shard must replace the held one":
+        dict(own_every_step=True),
+    "only the own shard is masked: a received shard can hold keys after some of the queries (zigzag), so the "
+    "causal mask applies to every shard":
+        dict(mask_own_only=True),
+    "shards of later ranks are skipped: with the zigzag layout every rank's shard holds keys every rank needs; skip "
+    "a shard only when all its positions come after all the rank's queries":
+        dict(skip_later_ranks=True),
+    "the partial results are merged without rescaling: check merge_lse":
+        dict(merge=_added),
+}
+
+
+def simulate_ring(q, k, v, world_size: int, causal: bool = True, layout: str = "zigzag", steps: int = 0,
+                  local_positions=False, positions_layout=None, owner_sign=-1, own_every_step=False,
+                  mask_own_only=False, skip_later_ranks=False, merge=merge_reference) -> torch.Tensor:
+    """Ring attention's whole output [B, Hq, T, Dv] in float64, computed in one process, rank after rank;
+    the keyword arguments inject RING_MISTAKES."""
+    length = q.shape[2]
+    outputs = []
+    for rank in range(world_size):
+        positions = [layout_positions(length, r, world_size, positions_layout or layout) for r in range(world_size)]
+        if local_positions:
+            positions = [torch.arange(p.numel()) for p in positions]
+        q_r = shard(q, rank, world_size, layout)
+        o = torch.zeros(*q_r.shape[:3], v.shape[-1], dtype=torch.float64)
+        lse = torch.full(q_r.shape[:3], -math.inf, dtype=torch.float64)
+        for step in range(world_size + steps):
+            owner = rank if own_every_step else (rank + owner_sign * step) % world_size
+            data_owner = rank if own_every_step else (rank - step) % world_size
+            if skip_later_ranks and owner > rank:
+                continue
+            if causal and positions[owner].min() > positions[rank].max():
+                continue
+            held = shard(k, data_owner, world_size, layout).shape[2]
+            if positions[owner].numel() != held or positions[rank].numel() != q_r.shape[2]:
+                raise ValueError("this mistake cannot happen with these shard lengths")
+            masked = causal and (not mask_own_only or owner == rank)
+            part = partial_attention(q_r, shard(k, data_owner, world_size, layout),
+                                     shard(v, data_owner, world_size, layout), positions[rank], positions[owner], masked)
+            o, lse = merge(o, lse, *part)
+        outputs.append(o)
+    return unshard(outputs, layout)
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+def _first_bad(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float):
+    """Index of the first element of got that is NaN or not within tolerance of want, else None."""
+    bad = ~torch.isclose(got.double(), want.double(), rtol=rtol, atol=atol, equal_nan=False)
+    if not bool(bad.any()):
+        return None
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def _named(got, candidates: dict, want, rtol, atol) -> str | None:
+    """The mistake whose result got equals (and the correct result does not), or None."""
+    for name, result in candidates.items():
+        if result.shape == got.shape and _first_bad(result, want, rtol, atol) is not None \
+                and _first_bad(got, result, rtol, atol) is None:
+            return name
+    return None
+
+
+def merge_cases():
+    """(name, o1, lse1, o2, lse2, o, lse): two parts of one sequence's keys and their exact merge, float32 inputs."""
+    cases = []
+    chunked = ac.make_case("chunked prefill: early rows see nothing of the second part", batch=2, q_heads=4,
+                           kv_heads=2, t=6, s=14, seed=70)
+    padded = ac.make_case("rows that see no key in either part", batch=1, q_heads=2, kv_heads=1, t=4, s=8, seed=71,
+                          query_positions=torch.tensor([-5, -1, 3, 7]))
+    large = ac.make_case("scores in the hundreds", batch=1, q_heads=2, kv_heads=2, t=5, s=10, seed=72,
+                         score_scale=300.0)
+    for case, split in ((chunked, 9), (padded, 4), (large, 3)):
+        qp = case.query_positions if case.query_positions is not None else torch.arange(case.q.shape[2]) + \
+            case.k.shape[2] - case.q.shape[2]
+        kp = torch.arange(case.k.shape[2])
+        first = partial_attention(case.q, case.k[:, :, :split], case.v[:, :, :split], qp, kp[:split])
+        second = partial_attention(case.q, case.k[:, :, split:], case.v[:, :, split:], qp, kp[split:])
+        parts = [x.float() for x in (*first, *second)]
+        cases.append((case.name, *parts, *merge_reference(*(x.double() for x in parts))))
+    return cases
+
+
+def check_merge_lse(merge_lse: Callable) -> None:
+    """merge_lse(o1, lse1, o2, lse2) is the exact merge, in either order, with rows empty in both parts."""
+    for name, o1, lse1, o2, lse2, o_want, lse_want in merge_cases():
+        for order, args in (("", (o1, lse1, o2, lse2)), (" (parts swapped)", (o2, lse2, o1, lse1))):
+            got = merge_lse(*args)
+            assert isinstance(got, tuple) and len(got) == 2, \
+                f"merge_lse should return a pair (o, lse), got {type(got).__name__}"
+            o, lse = got
+            assert tuple(o.shape) == tuple(o_want.shape) and tuple(lse.shape) == tuple(lse_want.shape), \
+                f"{name}: o should be {list(o_want.shape)} and lse {list(lse_want.shape)}, got {list(o.shape)} and {list(lse.shape)}"
+            empty = torch.isinf(lse_want) & (lse_want < 0)                   # [B, Hq, T]: rows that saw no key
+            if bool(torch.isnan(o[empty]).any()) or bool(torch.isnan(lse[empty]).any()):
+                raise AssertionError(f"{name}{order}: NaN in a row that saw no key in either part (lse1 = lse2 = "
+                                     "-inf): exp(-inf - (-inf)) is NaN; where the merged lse is -inf, measure the "
+                                     "weights against 0 instead (such a row keeps o = 0, lse = -inf)")
+            bad_lse = _first_bad(lse, lse_want, MERGE_TOL, MERGE_TOL)
+            if bad_lse is not None:
+                i = bad_lse
+                hint = ""
+                if torch.allclose(lse.double(), torch.maximum(args[1], args[3]).double(), atol=MERGE_TOL):
+                    hint = ": it is max(lse1, lse2); the merged lse is log(exp(lse1) + exp(lse2)) (torch.logaddexp)"
+                raise AssertionError(f"{name}{order}: lse wrong at [b, h, t] = {list(i)}: got {float(lse[i]):.6g}, "
+                                     f"want {float(lse_want[i]):.6g}{hint}")
+            bad = _first_bad(o, o_want, MERGE_TOL, MERGE_TOL)
+            if bad is not None:
+                mistakes = {text: fn(*(a.double() for a in args))[0] for text, fn in MERGE_MISTAKES.items()}
+                named = _named(o.double(), mistakes, o_want, MERGE_TOL, MERGE_TOL)
+                raise AssertionError(f"{name}{order}: o wrong at [b, h, t, d] = {list(bad)}: got {float(o[bad]):.6g}, "
+                                     f"want {float(o_want[bad]):.6g}" + (f": {named}" if named else ""))
+
+
+def check_zigzag(zigzag_shard: Callable, zigzag_unshard: Callable) -> None:
+    """zigzag_shard gives rank r the chunks r and 2P - 1 - r of torch.tensor_split's 2P chunks, in that order,
+    along any dim; zigzag_unshard puts every rank's shard back."""
+    for world_size in (1, 2, 3, 4):
+        for length in (4 * world_size, 4 * world_size + 3):
+            x = torch.arange(length).reshape(1, 1, length, 1).expand(2, 3, length, 2).float()   # [B, H, T, D]
+            shards = []
+            for rank in range(world_size):
+                got = zigzag_shard(x, rank, world_size)
+                want = layout_positions(length, rank, world_size, "zigzag")
+                where = f"T = {length}, P = {world_size}, rank {rank}"
+                assert tuple(got.shape[:2]) == (2, 3) and got.shape[3] == 2, \
+                    f"{where}: the shard should keep every dim but dim 2, got shape {list(got.shape)}"
+                held = got[0, 0, :, 0].long()
+                if held.shape != want.shape or not torch.equal(held, want):
+                    raise AssertionError(f"{where}: the shard holds positions {held.tolist()}, want "
+                                         f"{want.tolist()}{_zigzag_hint(held, length, rank, world_size)}")
+                shards.append(got)
+            back = zigzag_unshard([shard(x, r, world_size, "zigzag") for r in range(world_size)])
+            if tuple(back.shape) != tuple(x.shape) or not torch.equal(back, x):
+                raise AssertionError(f"T = {length}, P = {world_size}: zigzag_unshard of the ranks' zigzag shards "
+                                     f"gives positions {back[0, 0, :, 0].long().tolist()}, want 0 .. {length - 1} in order")
+    line = torch.arange(10)                                                     # dim is honoured: a 1-D sequence
+    got = zigzag_shard(line, 1, 2, dim=0)
+    want = layout_positions(10, 1, 2, "zigzag")
+    assert torch.equal(got, want), f"zigzag_shard(torch.arange(10), 1, 2, dim=0) should be {want.tolist()}, got {got.tolist()}"
+    assert torch.equal(zigzag_unshard([zigzag_shard(line, r, 2, dim=0) for r in range(2)], dim=0), line), \
+        "zigzag_unshard(..., dim=0) does not put a 1-D sequence back"
+
+
+def _zigzag_hint(held: torch.Tensor, length: int, rank: int, world_size: int) -> str:
+    mirror = 2 * world_size - 1 - rank
+    swapped = layout_positions(length, rank, world_size, "zigzag, chunks swapped")
+    if held.shape == swapped.shape and torch.equal(held, swapped):
+        return f": the two chunks are swapped; rank r holds chunk r first, then chunk 2P - 1 - r"
+    contiguous = layout_positions(length, rank, world_size, "contiguous")
+    if held.shape == contiguous.shape and torch.equal(held, contiguous):
+        return ": that is the contiguous layout (chunk r of P), not the zigzag"
+    equal_chunks = [min(i * math.ceil(length / (2 * world_size)), length) for i in range(2 * world_size + 1)]
+    chunked = torch.cat([torch.arange(equal_chunks[rank], equal_chunks[rank + 1]),
+                         torch.arange(equal_chunks[mirror], equal_chunks[mirror + 1])])
+    if held.shape == chunked.shape and torch.equal(held, chunked):
+        return (": these are torch.chunk's chunks (all but the last of size ceil(T / 2P)); the exercise uses "
+                "torch.tensor_split's (the first T % 2P one longer), so every rank's shard differs by at most one")
+    return ""
+
+
+def run_ring(ring_attention: Callable, q, k, v, world_size: int, causal: bool = True, layout: str = "zigzag",
+             timeout_s: float = RING_TIMEOUT_S) -> list:
+    """ring_attention on every rank of a fresh group of world_size processes; the ranks' outputs."""
+    rank_args = [tuple(shard(x, r, world_size, layout) for x in (q, k, v)) for r in range(world_size)]
+    where = f"P = {world_size}, layout={layout!r}, causal={causal}"
+    try:
+        return distributed.call_on_ranks(ring_attention, rank_args, causal=causal, layout=layout,
+                                         timeout_s=timeout_s)
+    except RuntimeError as error:  # in grading, the jail's RanksTimedOut arrives as a RuntimeError that names it
+        if "SIGABRT" in str(error):
+            raise AssertionError(f"{where}: a rank was killed by SIGABRT, as gloo aborts a rank whose receive buffer is "
+                                 "shorter than the message it gets: when T is not a multiple of 2P the shards differ "
+                                 "in length, so size each receive like the shard it receives (its owner's positions), "
+                                 f"not like the one held. ({str(error)[:300]})") from None
+        if not (isinstance(error, distributed.RanksTimedOut) or str(error).startswith("RanksTimedOut")):
+            raise AssertionError(f"{where}: ring_attention failed {error}") from None
+        detail = str(error).removeprefix("RanksTimedOut: ")
+        raise AssertionError(f"{where}: ring_attention never finished: {detail}. Every rank must start its send to "
+                             "(rank + 1) % P and its receive from (rank - 1) % P (isend and irecv, or "
+                             "batch_isend_irecv) before waiting on either, the same number of times on every rank") from None
+
+
+def check_ring_memory(ring_attention: Callable, world_size: int, layout: str = "zigzag", causal: bool = True,
+                      seed: int = 0) -> None:
+    """ring_attention on world_size ranks with shards of 4 MiB is exact and, when the ranks are measured (in
+    grading), no rank holds more than P + MEMORY_SHARDS_BEYOND_P shards at once: a ring holds its own shards and
+    those in flight, never every rank's K and V."""
+    length = MEMORY_POSITIONS_PER_RANK * world_size
+    case = ac.make_case("4 MiB shards", batch=1, q_heads=MEMORY_HEADS, kv_heads=MEMORY_HEADS, t=length, d=MEMORY_D,
+                        seed=seed)
+    rank_args = [tuple(shard(x, r, world_size, layout) for x in (case.q, case.k, case.v)) for r in range(world_size)]
+    shard_bytes = rank_args[0][0].numel() * rank_args[0][0].element_size()
+    where = (f"memory: P = {world_size}, layout={layout!r}, causal={causal}, MHA {MEMORY_HEADS} heads, "
+             f"T = {length}, D = {MEMORY_D} ({shard_bytes >> 20} MiB shards)")
+    try:
+        outputs = distributed.call_on_ranks(ring_attention, rank_args, causal=causal, layout=layout,
+                                            timeout_s=RING_TIMEOUT_S,
+                                            allowance=(world_size + MEMORY_SHARDS_BEYOND_P) * shard_bytes)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: {error}") from None
+    except RuntimeError as error:
+        raise AssertionError(f"{where}: {error}") from None
+    got = unshard(list(outputs), layout).double()
+    want = reference.attention(case.q, case.k, case.v, causal=causal)
+    rtol, atol = ac.tolerance(case.q.dtype)
+    bad = _first_bad(got, want, rtol, atol)
+    if bad is not None:
+        raise AssertionError(f"{where}: the output of the query at position {bad[2]} (head {bad[1]}) is "
+                             f"{_fmt(got[bad])}, want {_fmt(want[bad])}")
+
+
+def check_ring_attention(ring_attention: Callable, cases, world_sizes=(2,), layouts=LAYOUTS,
+                         causal_options=(True, False)) -> None:
+    """ring_attention on P processes, unsharded, equals the reference for each case, P, layout and causal."""
+    for case in cases:
+        q, k, v = case.q, case.k, case.v
+        rtol, atol = ac.tolerance(q.dtype)
+        for world_size in world_sizes:
+            for layout in layouts:
+                for causal in causal_options:
+                    where = f"{case.name} {case.shape_text}, P = {world_size}, layout={layout!r}, causal={causal}"
+                    outputs = run_ring(ring_attention, q, k, v, world_size, causal, layout)
+                    assert isinstance(outputs, list) and len(outputs) == world_size and \
+                        all(isinstance(o, torch.Tensor) for o in outputs), \
+                        f"{where}: every rank should return its output shard as a tensor"
+                    for rank, out in enumerate(outputs):
+                        want_shape = (*shard(q, rank, world_size, layout).shape[:3], v.shape[-1])
+                        assert tuple(out.shape) == want_shape, \
+                            f"{where}: rank {rank} returned shape {list(out.shape)}, want {list(want_shape)} (its queries' output)"
+                        assert out.dtype == q.dtype, f"{where}: rank {rank} returned {out.dtype}, want q's dtype {q.dtype}"
+                    got = unshard(outputs, layout).double()
+                    want = reference.attention(q, k, v, causal=causal)
+                    bad = _first_bad(got, want, rtol, atol)
+                    if bad is not None:
+                        raise AssertionError(explain_ring(got, want, q, k, v, world_size, causal, layout, bad,
+                                                          rtol, atol, where))
+
+
+def explain_ring(got, want, q, k, v, world_size, causal, layout, bad, rtol, atol, where) -> str:
+    """Where the unsharded output is wrong (rank, position, how many rows) and the mistake it equals, if any."""
+    b, h, t, _ = bad
+    owner = next(r for r in range(world_size) if t in layout_positions(q.shape[2], r, world_size, layout).tolist())
+    rows = (~torch.isclose(got, want, rtol=rtol, atol=atol)).any(-1).any(1).any(0)       # [T]
+    wrong_ranks = sorted({r for r in range(world_size)
+                          if bool(rows[layout_positions(q.shape[2], r, world_size, layout)].any())})
+    text = (f"{where}: the output of the query at position {t} (rank {owner}, head {h}, batch {b}) is "
+            f"{_fmt(got[bad])}, want {_fmt(want[bad])}; {int(rows.sum())} of {q.shape[2]} positions are wrong, "
+            f"on rank(s) {wrong_ranks}")
+    if bool(torch.isnan(got).any()):
+        return text + "; NaN appears (a merge of two parts that both saw no key? see merge_lse)"
+    simulated = {}
+    for name, mistake in RING_MISTAKES.items():
+        try:
+            simulated[name] = simulate_ring(q, k, v, world_size, causal, layout, **mistake)
+        except ValueError:  # a mistake these shard lengths rule out
+            pass
+    named = _named(got, simulated, want, rtol, atol)
+    return text + (f". It equals the result of this mistake: {named}" if named else "")
+
+
+def _fmt(x) -> str:
+    return f"{float(x):.6g}"
