@@ -23,7 +23,7 @@ def main() -> int:
     b.add_argument("--check", action="store_true", help="only report what is out of date; exit 1 if anything is")
     b.add_argument("--no-execute", action="store_true",
                    help="keep executed solutions' outputs: carry a changed source's text into them "
-                        "(refused where a code cell with outputs changed)")
+                        "(a changed code cell loses its outputs and is listed as not executed)")
     b.add_argument("--force", action="store_true",
                    help="replace release notebooks in notebooks/ even where they were edited since the last build "
                         "(a learner's work there is lost)")

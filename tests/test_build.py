@@ -142,9 +142,9 @@ def _executed_solution(assignment, tmp_path, monkeypatch):
     return executed, shown, solution
 
 
-def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypatch):
+def test_carry_text_keeps_outputs_and_drops_a_changed_cells_outputs(tmp_path, monkeypatch):
     """--no-execute: new prose and test-cell text reach the executed solution, its outputs stay, and the
-    solution counts as current; a changed code cell that has outputs is refused."""
+    solution counts as current; a changed code cell loses its outputs and is listed as not executed."""
     assignment = "01_online_softmax"
     executed, shown, solution = _executed_solution(assignment, tmp_path, monkeypatch)
 
@@ -167,8 +167,10 @@ def test_carry_text_keeps_outputs_and_refuses_changed_outputs(tmp_path, monkeypa
 
     nb.cells[shown].source += "\nx = 1"
     nbformat.write(nb, build.source_notebook(assignment))
-    with pytest.raises(ValueError, match="has outputs"):
-        build.carry_text(assignment)
+    assert build.carry_text(assignment) == [nb.cells[shown].id]
+    after = nbformat.read(solution, as_version=4)
+    assert executed.cells[shown].outputs and after.cells[shown].outputs == []
+    assert after.metadata["flashcourse"]["not_executed"] == sorted([nb.cells[test].id, nb.cells[shown].id])
 
 
 def test_carry_text_takes_new_cells_without_outputs(tmp_path, monkeypatch):

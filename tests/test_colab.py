@@ -70,7 +70,7 @@ def test_a_fork_changes_one_place(tmp_path, monkeypatch):
 
 def test_a_regenerated_setup_cell_keeps_its_outputs(tmp_path, monkeypatch):
     """build --no-execute carries a regenerated set-up cell into an executed solution with its outputs (made
-    on a GPU, say): outside Colab the cell runs as before. Any other change to it still needs executing."""
+    on a GPU, say): outside Colab the cell runs as before. Any other change to it drops them: it needs executing."""
     assignment = ASSIGNMENTS[0]
     shutil.copytree(build.source_notebook(assignment).parent, tmp_path / "source" / assignment)
     monkeypatch.setattr(build, "SOURCE", tmp_path / "source")
@@ -91,8 +91,9 @@ def test_a_regenerated_setup_cell_keeps_its_outputs(tmp_path, monkeypatch):
     nb = nbformat.read(build.source_notebook(assignment), as_version=4)
     build.setup_cell(nb, assignment).source += "\nprint(rt)"
     nbformat.write(nb, build.source_notebook(assignment))
-    with pytest.raises(ValueError, match="has outputs"):
-        build.carry_text(assignment)
+    setup_id = build.setup_cell(nb, assignment).id
+    assert build.carry_text(assignment) == [setup_id]
+    assert build.setup_cell(nbformat.read(solution, as_version=4), assignment).outputs == []
 
 
 def _reads_beside_the_package(code: str) -> bool:

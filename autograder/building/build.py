@@ -236,12 +236,12 @@ def _solution_is_current(assignment: str) -> bool:
 def carry_text(assignment: str) -> list[str]:
     """Bring the committed, executed solution up to date with source/ without executing anything.
 
-    Each cell takes the source's new text and keeps its outputs, so outputs made on a GPU survive a
-    change of prose or of a test cell. A cell new to source/ comes in without outputs, a cell gone from
-    it goes. Refused (ValueError) when the cells both have were reordered, or when a code cell that
-    has outputs changed: that needs executing. Code cells whose text changed or that are new are
-    listed under the notebook's metadata "not_executed" (ids) until the next execution; they are
-    returned too. The set-up cell is the exception: a set-up cell that becomes the
+    Each cell takes the source's new text. A markdown cell, or a code cell whose text did not change,
+    keeps its outputs, so outputs made on a GPU survive a change of prose. A code cell whose text
+    changed loses its outputs (they were the old text's), a cell new to source/ comes in without
+    outputs, a cell gone from it goes. Refused (ValueError) when the cells both have were reordered.
+    Code cells whose text changed or that are new are listed under the notebook's metadata
+    "not_executed" (ids) until the next execution; they are returned too. The set-up cell is the exception: a set-up cell that becomes the
     generated one keeps its outputs, since only its Colab line differs and that line runs on Colab alone.
     """
     path = SOLUTIONS / assignment / f"{assignment}.ipynb"
@@ -266,9 +266,7 @@ def carry_text(assignment: str) -> list[str]:
             # output stands.
             cell.metadata.update(new.metadata)
         elif cell.cell_type == "code":
-            if cell.outputs:
-                raise ValueError(f"solutions/{assignment}: code cell {new.get('id')} changed and has outputs; "
-                                 "execute the solution")
+            cell.outputs = []  # what the old text printed would be shown under the new one
             changed.append(new.get("id"))
         cell.source = new.source
     executed.cells = [kept.get(new.get("id"), new) for new in fresh.cells]

@@ -1245,7 +1245,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
 def hopper_schedule(t, causal):
-    """(persistent, pingpong) for hopper_attention, from two runs on the H200 (python -m flashcourse.bench_fast
+    """(persistent, pingpong) for hopper_attention, from two runs on the H200 (python -m flashcourse.bench.fast
     --hopper): persistent programs up to T = 4k under a causal mask and always without one; the ping-pong
     without a mask up to T = 2k. At causal T = 4k and at T = 1k without a mask the runs disagreed, within
     their noise."""
