@@ -114,7 +114,7 @@ class _LearnerKernels:
 
     def __init__(self, sources: list[str]):
         trees = launches.cell_trees(sources)
-        self.namespace = launches._Namespace(trees)
+        self.kernels = launches.kernel_defs(trees)
         self.bound = _top_level(trees)
         self.lines: dict[int, str] = {}   # order -> source, so the module keeps the notebook's order
         self.missing: dict[str, str] = {}
@@ -124,9 +124,8 @@ class _LearnerKernels:
         if name in self.done:
             return
         self.done.add(name)
-        held = self.namespace.names.get(name)
-        if held is not None and held.kind == "kernel":
-            self._take_kernel(name, held.node)
+        if name in self.kernels:
+            self._take_kernel(name, self.kernels[name])
             return
         if name not in self.bound:
             if wanted_by is None:
@@ -178,7 +177,7 @@ class _LaunchCode:
         cells = [(c, launches.cell_trees([c.source])) for c in source.cells if c.cell_type == "code" and not is_test_cell(c)]
         self.trees = [tree for _, trees in cells for tree in trees]
         self.bound = _top_level(self.trees)
-        self.namespace = launches._Namespace(self.trees)
+        self.kernels = launches.kernel_defs(self.trees)
         # The learner's kernels: the jit functions their solution cells define (a wrapping such as
         # `tuned = triton.autotune(...)(kernel)` is launch code, and stays the instructor's).
         self.solution_kernels = {s.name for cell, trees in cells if cell.metadata.get("nbgrader", {}).get("solution")
@@ -186,8 +185,7 @@ class _LaunchCode:
                                  if isinstance(s, ast.FunctionDef) and self._is_kernel(s)}
 
     def _is_kernel(self, node: ast.FunctionDef) -> bool:
-        held = self.namespace.names.get(node.name)
-        return held is not None and held.kind == "kernel" and held.node is node
+        return self.kernels.get(node.name) is node
 
     def closure(self, roots: set[str]) -> tuple[list[tuple[int, ast.stmt]], set[str], set[str]]:
         """The statements the roots need, in order; the learner's kernels and the given kernels they use."""
@@ -201,9 +199,8 @@ class _LaunchCode:
             if name in self.solution_kernels:
                 learners.add(name)
                 continue
-            held = self.namespace.names.get(name)
             order, statement = self.bound[name]
-            if held is not None and held.kind == "kernel" and isinstance(statement, ast.FunctionDef):
+            if name in self.kernels and isinstance(statement, ast.FunctionDef):
                 given.add(name)   # the kernel module takes it, with what it uses
                 continue
             statements[order] = statement

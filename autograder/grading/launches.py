@@ -17,6 +17,9 @@ and decides it from the structure:
   top-level function that launches, or if it passes a kernel to a top-level function that
   launches one of its own parameters (`_launch(kernel, grid, ...)`).
 
+`kernel_defs` gives the kernels so read (what autograder/grading/kernel_world.py takes of a notebook), and
+`launching_functions` and `missing_launches` the wrappers that launch them.
+
 Cells count in order, as the notebook runs them: a later definition of a name replaces an earlier
 one, and a function body sees the names as they are at the end. Decorators are read as they are when
 the function is defined.
@@ -379,6 +382,13 @@ def _launching(facts: dict[str, _Facts]) -> set[str]:
                 launching.add(name)
                 changed = True
     return launching
+
+
+def kernel_defs(trees: list[ast.Module]) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Every top-level name that holds a kernel once the cells (parsed by `cell_trees`) have run, with the def of
+    the function it runs: a kernel defined under Triton's jit, or a name assigned from such a wrapping of a
+    function of the cells (`k = triton.jit(f)` gives k the def of f, so the def's own name may differ)."""
+    return {name: held.node for name, held in _Namespace(trees).names.items() if held.kind == "kernel"}
 
 
 def launching_functions(sources: list[str]) -> set[str]:
