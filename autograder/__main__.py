@@ -24,6 +24,11 @@ def main() -> int:
     b.add_argument("--no-execute", action="store_true",
                    help="keep executed solutions' outputs: carry a changed source's text into them "
                         "(a changed code cell loses its outputs and is listed as not executed)")
+    b.add_argument("--solutions-to-run", type=Path, metavar="DIR",
+                   help="write the out-of-date solutions, unexecuted, into DIR, to be executed on another machine "
+                        "(python -m autograder.building.run_solutions DIR OUT there); build nothing else")
+    b.add_argument("--executed-from", type=Path, metavar="OUT",
+                   help="take out-of-date solutions from OUT, executed on another machine, instead of executing here")
     b.add_argument("--force", action="store_true",
                    help="replace release notebooks in notebooks/ even where they were edited since the last build "
                         "(a learner's work there is lost)")
@@ -55,7 +60,8 @@ def main() -> int:
 
     if args.command == "build":
         return build.main(args.assignments, check=args.check, execute_solutions=not args.no_execute,
-                          force=args.force)
+                          force=args.force, executed_from=args.executed_from,
+                          solutions_to_run_in=args.solutions_to_run)
     submissions = SAMPLES if args.command == "demo" else args.submissions
     if getattr(args, "device", "auto") != "auto":  # read by flashcourse.runtime here, in nbgrader and in the jail
         os.environ[DEVICE_ENV] = args.device

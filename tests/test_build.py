@@ -263,3 +263,38 @@ def test_demo_and_lab_write_no_release():
                           check=True).stdout
     assert "-m autograder demo" in plan and "jupyter lab notebooks/" in plan
     assert "autograder build" not in plan and "generate_assignment" not in plan
+
+
+def test_solutions_executed_elsewhere_come_back_only_as_todays_cells(tmp_path, monkeypatch):
+    """--solutions-to-run writes the out-of-date solutions unexecuted; run_solutions executes them; --executed-from
+    takes them back only when their cells are today's solution cells."""
+    from autograder.building import run_solutions
+
+    assignment = "01_online_softmax"
+    executed, shown, solution = _executed_solution(assignment, tmp_path, monkeypatch)
+    assert build.solutions_to_run([assignment], tmp_path / "none") == []  # current: nothing to run
+
+    nb = _source(assignment)
+    nb.cells[shown].source += "\nx = 1"
+    nbformat.write(nb, build.source_notebook(assignment))
+    assert build.solutions_to_run([assignment], tmp_path / "torun") == [assignment]
+    there = nbformat.read(tmp_path / "torun" / f"{assignment}.ipynb", as_version=4)
+    assert there.cells[shown].source.endswith("x = 1") and not there.cells[shown].outputs
+
+    there.cells[shown].outputs = [nbformat.v4.new_output("stream", name="stdout", text="made there\n")]
+    nbformat.write(there, tmp_path / "torun" / f"{assignment}.ipynb")
+    back = build.executed_elsewhere(assignment, tmp_path / "torun")
+    assert back.cells[shown].outputs[0].text == "made there\n"
+    assert back.metadata["flashcourse"]["source_sha256"] == build.solution_cells(assignment).metadata["flashcourse"]["source_sha256"]
+
+    there.cells[shown].source += "\ny = 2"
+    nbformat.write(there, tmp_path / "torun" / f"{assignment}.ipynb")
+    with pytest.raises(ValueError, match="other cells"):
+        build.executed_elsewhere(assignment, tmp_path / "torun")
+
+    tiny = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import os; print(os.path.basename(os.getcwd()))")])
+    (tmp_path / "small").mkdir()
+    nbformat.write(tiny, tmp_path / "small" / "tiny.ipynb")
+    assert run_solutions.run(tmp_path / "small", tmp_path / "ran", solutions=tmp_path / "sol") == 0
+    ran = nbformat.read(tmp_path / "ran" / "tiny.ipynb", as_version=4)
+    assert ran.cells[0].outputs[0].text == "tiny\n"  # run in solutions/<its name>/, as build runs it

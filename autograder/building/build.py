@@ -225,6 +225,13 @@ def engine_source(assignment: str) -> str:
     return header + "".join(f"\n\n{c.strip()}\n" for c in cells) if cells else ""
 
 
+def _not_executed(assignment: str) -> list[str]:
+    """The code cells of the committed solution that --no-execute carried in without running them."""
+    path = SOLUTIONS / assignment / f"{assignment}.ipynb"
+    meta = nbformat.read(path, as_version=4).metadata.get("flashcourse", {}) if path.exists() else {}
+    return meta.get("not_executed", [])
+
+
 def _solution_is_current(assignment: str) -> bool:
     path = SOLUTIONS / assignment / f"{assignment}.ipynb"
     if not path.exists():
@@ -279,8 +286,34 @@ def carry_text(assignment: str) -> list[str]:
     return changed
 
 
-def build(only: list[str] | None = None, execute_solutions: bool = True, force: bool = False) -> list[str]:
-    """Regenerate everything generated from source/ (or from the assignments named in `only`).
+def executed_elsewhere(assignment: str, folder: Path) -> nbformat.NotebookNode:
+    """The solution of `assignment` as executed on another machine (autograder/building/run_solutions.py):
+    refused (ValueError) unless its cells are today's solution cells, so no output stands under other text."""
+    path = folder / f"{assignment}.ipynb"
+    if not path.exists():
+        raise ValueError(f"{path} is missing: run the solution there first")
+    executed, fresh = nbformat.read(path, as_version=4), solution_cells(assignment)
+    if [(c.get("id"), c.source) for c in executed.cells] != [(c.get("id"), c.source) for c in fresh.cells]:
+        raise ValueError(f"{path} was executed from other cells than today's source/{assignment}")
+    executed.metadata["flashcourse"] = fresh.metadata["flashcourse"]
+    return executed
+
+
+def solutions_to_run(only: list[str] | None, folder: Path) -> list[str]:
+    """Write the unexecuted solution of every assignment whose executed solution is out of date, or has
+    cells carried in without running (--no-execute), into `folder`, to be run elsewhere; the assignments
+    written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = [a for a in only or assignments() if not _solution_is_current(a) or _not_executed(a)]
+    for assignment in stale:
+        nbformat.write(solution_cells(assignment), folder / f"{assignment}.ipynb")
+    return stale
+
+
+def build(only: list[str] | None = None, execute_solutions: bool = True, force: bool = False,
+          executed_from: Path | None = None) -> list[str]:
+    """Regenerate everything generated from source/ (or from the assignments named in `only`). With
+    `executed_from`, a solution out of date is taken from that folder, executed elsewhere, not run here.
 
     Returns a line for each release notebook kept because a learner edited it and the release changed
     (install_release); everything else is built all the same."""
@@ -299,14 +332,19 @@ def build(only: list[str] | None = None, execute_solutions: bool = True, force: 
             module = ENGINE / f"{engine_module(assignment)}.py"
             if text and (not module.exists() or module.read_text() != text):
                 module.write_text(text)
-            if _solution_is_current(assignment):
+            if _solution_is_current(assignment) and not (executed_from and _not_executed(assignment)):
                 refused += kept
                 continue
             out = SOLUTIONS / assignment
             if execute_solutions:
                 out.mkdir(parents=True, exist_ok=True)
-                print(f"build: executing the solution of {assignment}", flush=True)
-                nbformat.write(execute(solution_cells(assignment), out), out / f"{assignment}.ipynb")
+                if executed_from:
+                    print(f"build: taking the solution of {assignment} executed elsewhere", flush=True)
+                    executed = executed_elsewhere(assignment, executed_from)
+                else:
+                    print(f"build: executing the solution of {assignment}", flush=True)
+                    executed = execute(solution_cells(assignment), out)
+                nbformat.write(executed, out / f"{assignment}.ipynb")
                 if write_figures(source_notebook(assignment)):
                     # Figures the solution has just measured: only markdown changed, so its outputs stand.
                     release(assignment, fresh, Path(tmp) / "gradebook.db")
@@ -351,7 +389,8 @@ def drift(only: list[str] | None = None) -> list[str]:
     return problems
 
 
-def main(only: list[str], check: bool = False, execute_solutions: bool = True, force: bool = False) -> int:
+def main(only: list[str], check: bool = False, execute_solutions: bool = True, force: bool = False,
+         executed_from: Path | None = None, solutions_to_run_in: Path | None = None) -> int:
     unknown = sorted(set(only) - set(assignments()))
     if unknown:
         print(f"build: no such assignment in source/: {', '.join(unknown)}")
@@ -360,7 +399,11 @@ def main(only: list[str], check: bool = False, execute_solutions: bool = True, f
         problems = drift(only)
         print("\n\n".join(problems) if problems else "build: notebooks/, solutions/ and the engine are current")
         return 1 if problems else 0
-    refused = build(only, execute_solutions, force)
+    if solutions_to_run_in:
+        stale = solutions_to_run(only, solutions_to_run_in)
+        print(f"build: {len(stale)} solutions to run elsewhere in {solutions_to_run_in}: {', '.join(stale) or 'none'}")
+        return 0
+    refused = build(only, execute_solutions, force, executed_from)
     if refused:
         print("\n" + "\n".join(refused), file=sys.stderr)
         return 1
