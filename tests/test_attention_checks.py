@@ -14,7 +14,7 @@ def reference_attention(q, k, v, query_positions=None, key_positions=None, **_):
     return reference.attention(q, k, v, query_positions, key_positions).to(q.dtype)
 
 
-def exp2_tiles(q, k, v, query_positions=None, key_positions=None, tile=4):
+def exp2_tiles(q, k, v, query_positions=None, key_positions=None, tile=4, log2e=math.log2(math.e)):
     """A correct implementation written differently: exp2, K/V repeated, heads in one loop."""
     b, hq, t, d = q.shape
     s = k.shape[2]
@@ -23,7 +23,7 @@ def exp2_tiles(q, k, v, query_positions=None, key_positions=None, tile=4):
     kp = positions(key_positions, b, s, 0, "cpu")
     out = torch.empty(b, hq, t, v.shape[-1])
     for h in range(hq):
-        qs = q[:, h].double() * (math.log2(math.e) / math.sqrt(d))           # [B, T, D]
+        qs = q[:, h].double() * (log2e / math.sqrt(d))                       # [B, T, D]
         m = torch.full((b, t, 1), -math.inf, dtype=torch.float64)
         l = torch.zeros(b, t, 1, dtype=torch.float64)
         a = torch.zeros(b, t, v.shape[-1], dtype=torch.float64)
@@ -182,3 +182,44 @@ def test_the_memory_probe_compares_rows_it_picks_from_the_answer(keep, passes):
     else:
         with pytest.raises(AssertionError, match="neither attention nor a recognised mistake"):
             ac.check_memory_from_outside(RightOnSomeRows(keep), case)
+
+
+def test_exp2_without_log2e_is_named():
+    """exp2 in place of exp with the scores not multiplied by log2(e): named, in a tiled loop written by hand."""
+    forgot = lambda *args, **kwargs: exp2_tiles(*args, log2e=1.0, **kwargs)  # noqa: E731
+    with pytest.raises(AssertionError, match=r"exp2 was used without the factor log2\(e\)"):
+        ac.check_attention(forgot, TILED, tile_arg="tile")
+
+
+def _drop_last_key(q, k, v, query_positions=None, key_positions=None, **_):
+    """A loop over the keys one short: range(S - 1)."""
+    t, s = q.shape[2], k.shape[2]
+    qp = torch.arange(s - t, s) if query_positions is None else query_positions
+    kp = torch.arange(s) if key_positions is None else key_positions
+    return reference.attention(q, k[:, :, :-1], v[:, :, :-1], qp, kp[..., :-1]).to(q.dtype)
+
+
+def test_a_dropped_last_key_is_not_called_a_mask_mistake_where_no_mask_tells_them_apart():
+    """At decode the query sits at the last key's position: key < query and a loop one key short give one answer,
+    and the message names both; in a prefill they differ and each is named alone; 02's single query applies
+    no mask, so only the loop is named there."""
+    decode = [ac.make_case("decode", t=1, s=9)]
+    with pytest.raises(AssertionError) as both:
+        ac.check_attention(as_buggy("mask_off_by_one"), decode)
+    assert ac.BUGS["mask_off_by_one"] in str(both.value) and ac.BUGS["last_key_dropped"] in str(both.value)
+
+    prefill = [ac.make_case("prefill", t=6, s=6)]
+    with pytest.raises(AssertionError) as mask:
+        ac.check_attention(as_buggy("mask_off_by_one"), prefill)
+    assert ac.BUGS["mask_off_by_one"] in str(mask.value) and ac.BUGS["last_key_dropped"] not in str(mask.value)
+    with pytest.raises(AssertionError) as loop:
+        ac.check_attention(_drop_last_key, prefill)
+    assert ac.BUGS["last_key_dropped"] in str(loop.value) and ac.BUGS["mask_off_by_one"] not in str(loop.value)
+
+    from flashcourse.engine.single_query import online_attention_single
+
+    short = lambda q, k, v, S, d, tile: online_attention_single(q, k[:-d], v[:-d], S - 1, d, tile)  # noqa: E731
+    q, k, v = [0.3, -1.0], [1.0, 0.0, 0.5, 2.0, -1.0, 1.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    with pytest.raises(AssertionError) as single:
+        ac.check_single_query(short, [(q, k, v, 3, 2, 2)])
+    assert ac.BUGS["last_key_dropped"] in str(single.value) and "causal mask" not in str(single.value)

@@ -69,6 +69,10 @@ BUGS = {
     "mask_off_by_one": "the causal mask used key < query instead of key <= query (a query must see "
                        "the key at its own position)",
     "no_causal_mask": "there was no causal mask: every query saw every key, including later ones",
+    "last_key_dropped": "the last key was never read: a loop over the keys that stops one key short",
+    "exp2_without_log2e": "exp2 was used without the factor log2(e): 2^x is e^(x ln 2), so every score was "
+                          "scaled by ln 2 = 0.693 too; multiply the scores (or the scale) by log2(e) = 1.4427 "
+                          "before exp2",
     **{name: words for name, words in recurrence.BUGS.items() if name is not None},
     "no_rescale": "neither l nor a was rescaled: the partial states were added up without the factor "
                   "exp(m_i - m)",
@@ -79,11 +83,13 @@ STEP_HINTS = {
     "split_diagonal": "an unmasked tile held a key that some query of the block may not see. Only tiles ending at "
                       "or before the block's first query position may skip the mask: round that position down to "
                       "a tile.",
-    "splits": "the merge of the chunks' partials. Each partial (m_i, l_i, acc_i) must be rescaled by exp(m_i - M), "
-              "M the largest m_i, in both the numerator and the denominator; a chunk that holds no key has "
-              "m = -inf and weighs 0.",
+    "splits": "the chunks or their merge. Every key must fall in exactly one chunk (the last chunk may be "
+              "shorter, a chunk may hold no key), and each partial (m_i, l_i, acc_i) must be rescaled by "
+              "exp(m_i - M), M the largest m_i, in both the numerator and the denominator; a chunk that holds no "
+              "key has m = -inf and weighs 0.",
 }
 TILED_BUGS = (*(name for name in recurrence.BUGS if name is not None), "no_rescale")
+MASK_BUGS = ("mask_off_by_one", "no_causal_mask")   # not named for a function that applies no mask (02)
 WHOLE_BUGS = tuple(name for name in BUGS if name not in TILED_BUGS)
 
 
@@ -109,6 +115,7 @@ class Case:
     query_positions: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
     kwargs: dict = field(default_factory=dict)
+    masked: bool = True                 # the function applies a causal mask (02's single query applies none)
 
     def with_kwargs(self, **kwargs) -> "Case":
         """The same inputs, called with extra keyword arguments (a tile size, block sizes...)."""
@@ -240,7 +247,8 @@ def _scores_and_mask(case: Case, bug: str | None = None):
     group = hq // hkv
     heads = torch.arange(hq) % hkv if bug == "gqa_modulo" else torch.arange(hq) // group
     k, v = k[:, heads], v[:, heads]
-    scale = {"no_scale": 1.0, "scale_over_d": 1.0 / d}.get(bug, 1.0 / math.sqrt(d))
+    scale = {"no_scale": 1.0, "scale_over_d": 1.0 / d,
+             "exp2_without_log2e": math.log(2) / math.sqrt(d)}.get(bug, 1.0 / math.sqrt(d))
     scores = q @ k.transpose(-2, -1) * scale
     qp, kp = _positions(case)
     if bug == "offset_ignored" and case.query_positions is None:
@@ -251,6 +259,9 @@ def _scores_and_mask(case: Case, bug: str | None = None):
         mask = torch.ones(b, 1, t, s, dtype=torch.bool)
     else:
         mask = kp[:, None, None, :] <= qp[:, None, :, None]
+    if bug == "last_key_dropped":
+        mask = mask.clone()
+        mask[..., s - 1] = False
     return scores, v, mask
 
 
@@ -316,7 +327,8 @@ def _matching_bugs(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: floa
     Several can match on one case: with tile = 1, softmax per tile and unrescaled states coincide.
     """
     found = []
-    candidates = [(bug, lambda bug=bug: variant(case, bug)) for bug in WHOLE_BUGS]
+    named = [bug for bug in WHOLE_BUGS if case.masked or bug not in MASK_BUGS]
+    candidates = [(bug, lambda bug=bug: variant(case, bug)) for bug in named]
     if tile is not None:
         candidates += [(bug, lambda bug=bug: tiled_variant(case, tile, bug)) for bug in TILED_BUGS]
     for bug, make in candidates:
@@ -635,7 +647,7 @@ def single_query_case(q, k, v, s: int, d: int, tile: int) -> Case:
     q64 = torch.tensor(q, dtype=torch.float64).reshape(1, 1, 1, d)
     k64 = torch.tensor(k, dtype=torch.float64).reshape(1, 1, s, d)
     v64 = torch.tensor(v, dtype=torch.float64).reshape(1, 1, s, d)
-    return Case(f"one query, S={s}, d={d}", q64, k64, v64, kwargs={"tile": tile})
+    return Case(f"one query, S={s}, d={d}", q64, k64, v64, kwargs={"tile": tile}, masked=False)
 
 
 def check_single_query(fn: Callable, cases: Iterable[tuple], rtol: float = 1e-9, atol: float = 1e-10) -> None:
