@@ -19,6 +19,8 @@ SUBMISSIONS ?= submitted
 # Create Assignment, the Nbgrader menu). JUPYTER_CONFIG_PATH puts it before the environment's own
 # configuration, for that command only; nothing is uninstalled, and instructor-lab keeps them.
 LEARNER_LAB := JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter/learner
+# Jupyter refuses to run as root unless told to; in a container root is often the only user there is.
+AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: install demo test build lab instructor-lab grade clean
 
@@ -42,10 +44,10 @@ build: $(BIN)/.installed
 	$(BIN)/python -m autograder build
 
 lab: $(BIN)/.installed
-	$(LEARNER_LAB) $(BIN)/jupyter lab notebooks/
+	$(LEARNER_LAB) $(BIN)/jupyter lab $(AS_ROOT) notebooks/
 
 instructor-lab: $(BIN)/.installed
-	$(BIN)/jupyter lab
+	$(BIN)/jupyter lab $(AS_ROOT)
 
 grade: $(BIN)/.installed
 	$(BIN)/python -m autograder grade $(SUBMISSIONS)
