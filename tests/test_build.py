@@ -298,3 +298,18 @@ def test_solutions_executed_elsewhere_come_back_only_as_todays_cells(tmp_path, m
     assert run_solutions.run(tmp_path / "small", tmp_path / "ran", solutions=tmp_path / "sol") == 0
     ran = nbformat.read(tmp_path / "ran" / "tiny.ipynb", as_version=4)
     assert ran.cells[0].outputs[0].text == "tiny\n"  # run in solutions/<its name>/, as build runs it
+
+
+def test_carry_text_lets_prose_move_but_not_code(tmp_path, monkeypatch):
+    """--no-execute: a markdown cell moved elsewhere (a question beside its material) is carried with every output
+    kept; code cells moved are refused, since their outputs depend on the order they ran in."""
+    assignment = "01_online_softmax"
+    executed, shown, solution = _executed_solution(assignment, tmp_path, monkeypatch)
+    nb = _source(assignment)
+    prose = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and i > shown)
+    nb.cells.insert(1, nb.cells.pop(prose))
+    nbformat.write(nb, build.source_notebook(assignment))
+    assert build.carry_text(assignment) == []
+    after = nbformat.read(solution, as_version=4)
+    assert [c.id for c in after.cells] == [c.id for c in nb.cells]
+    assert next(c for c in after.cells if c.id == executed.cells[shown].id).outputs == executed.cells[shown].outputs

@@ -246,7 +246,8 @@ def carry_text(assignment: str) -> list[str]:
     Each cell takes the source's new text. A markdown cell, or a code cell whose text did not change,
     keeps its outputs, so outputs made on a GPU survive a change of prose. A code cell whose text
     changed loses its outputs (they were the old text's), a cell new to source/ comes in without
-    outputs, a cell gone from it goes. Refused (ValueError) when the cells both have were reordered.
+    outputs, a cell gone from it goes. Markdown cells may move; refused (ValueError) when the code cells
+    both have were reordered or a cell changed type.
     Code cells whose text changed or that are new are listed under the notebook's metadata
     "not_executed" (ids) until the next execution; they are returned too. The set-up cell is the exception: a set-up cell that becomes the
     generated one keeps its outputs, since only its Colab line differs and that line runs on Colab alone.
@@ -256,9 +257,12 @@ def carry_text(assignment: str) -> list[str]:
     fresh = solution_cells(assignment)
     fresh_ids = {c.get("id") for c in fresh.cells}
     kept = {c.get("id"): c for c in executed.cells if c.get("id") in fresh_ids}
-    if [(c.cell_type, c.get("id")) for c in executed.cells if c.get("id") in kept] != \
-            [(c.cell_type, c.get("id")) for c in fresh.cells if c.get("id") in kept]:
-        raise ValueError(f"solutions/{assignment}: cells were reordered or changed type; execute the solution")
+    # Prose may move (a question beside its material); code cells run in order, so theirs must stay.
+    if [c.get("id") for c in executed.cells if c.get("id") in kept and c.cell_type == "code"] != \
+            [c.get("id") for c in fresh.cells if c.get("id") in kept and c.cell_type == "code"] or \
+            any(kept[c.get("id")].cell_type != c.cell_type for c in fresh.cells if c.get("id") in kept):
+        raise ValueError(f"solutions/{assignment}: code cells were reordered or a cell changed type; "
+                         "execute the solution")
     changed = []
     for new in fresh.cells:
         cell = kept.get(new.get("id"))
