@@ -1,6 +1,8 @@
 """A small GPT whose attention is a parameter, to train it once with SDPA and once with the course's kernels.
 
     python -m instructor.gpt --json flashcourse/bench/measured/training.json --png flashcourse/bench/measured/training.png
+    python -m instructor.gpt --seeds 3 --json flashcourse/bench/measured/training_seeds.json   # the gap beside the
+                                                                                                # seeds' own spread
 
 The model reads bytes (a vocabulary of 256) of text that ships with the course: flashcourse's own
 source files, read through importlib.resources, so it trains the same on an installed package, in
@@ -166,6 +168,23 @@ def train_both(steps: int | None = None, config: GPTConfig | None = None, batch:
             **curves, "max_difference": max(difference), "worst_step": difference.index(max(difference))}
 
 
+def seed_spread(seeds: int, steps: int | None = None, after: float = 0.6) -> dict:
+    """How far apart the two curves are, beside how far apart one attention's curves are from seed to seed.
+
+    Trains both attentions from `seeds` seeds (train_both). Over the last (1 - after) of the steps, where the
+    curves have flattened, it reports the mean of flash - SDPA at each seed, and the spread of SDPA's own mean
+    loss across seeds: a gap well inside that spread is what another seed would move by as much."""
+    runs = [train_both(steps, seed=seed) for seed in range(seeds)]
+    first = int(after * runs[0]["steps"])
+    tail = lambda curve: sum(curve[first:]) / len(curve[first:])  # noqa: E731
+    gaps = [tail(r["flash_attention_train"]) - tail(r["sdpa"]) for r in runs]
+    sdpa = [tail(r["sdpa"]) for r in runs]
+    return {"device": runs[0]["device"], "dtype": runs[0]["dtype"], "config": runs[0]["config"],
+            "batch": runs[0]["batch"], "steps": runs[0]["steps"], "from_step": first, "seeds": seeds,
+            "gap_per_seed": gaps, "sdpa_mean_per_seed": sdpa, "sdpa_seed_range": max(sdpa) - min(sdpa),
+            "curves": [{"sdpa": r["sdpa"], "flash_attention_train": r["flash_attention_train"]} for r in runs]}
+
+
 def plot(result: dict, path: str | None = None):
     """Both loss curves on one plot, the largest difference in the title."""
     import matplotlib
@@ -196,7 +215,18 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--json", help="write both loss curves as JSON to this file")
     parser.add_argument("--png", help="write the plot to this file")
+    parser.add_argument("--seeds", type=int, help="train both from this many seeds and report the gap beside the "
+                                                  "spread from seed to seed (seed_spread) instead")
     args = parser.parse_args(argv)
+    if args.seeds:
+        spread = seed_spread(args.seeds, args.steps)
+        print(f"from step {spread['from_step']}: flash - SDPA, mean loss per seed: "
+              + ", ".join(f"{g:+.4f}" for g in spread["gap_per_seed"])
+              + f"; SDPA's own mean loss ranges over {spread['sdpa_seed_range']:.4f} across the seeds")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(spread, f, indent=1)
+        return 0
     result = train_both(args.steps)
     print(f"final loss: SDPA {result['sdpa'][-1]:.4f}, flash_attention_train {result['flash_attention_train'][-1]:.4f}; "
           f"largest difference {result['max_difference']:.2e} at step {result['worst_step']}")

@@ -39,3 +39,14 @@ def test_an_untrained_model_predicts_bytes_about_uniformly():
     for seed in (0, 1):
         first = gpt.train(gpt.sdpa_attention, 1, gpt.CPU_CONFIG, batch=64, seed=seed)[0]
         assert abs(first - math.log(256)) < 0.1, f"seed {seed}: step 0's loss {first:.3f}, log 256 = 5.545"
+
+
+def test_seed_spread_reports_the_gap_beside_the_seeds_own_spread():
+    """seed_spread trains both attentions from each seed and reports, over the flat part of the curves, the gap
+    at each seed and how far SDPA's own loss moves from seed to seed."""
+    spread = gpt.seed_spread(2, steps=5, after=0.4)
+    assert spread["from_step"] == 2 and len(spread["gap_per_seed"]) == 2
+    for gap, curves in zip(spread["gap_per_seed"], spread["curves"]):
+        tail = lambda c: sum(c[2:]) / 3  # noqa: E731
+        assert math.isclose(gap, tail(curves["flash_attention_train"]) - tail(curves["sdpa"]), rel_tol=1e-9)
+    assert spread["sdpa_seed_range"] > 0  # two seeds: other weights, other batches
