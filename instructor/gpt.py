@@ -44,6 +44,15 @@ def sdpa_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def sdpa_efficient_attention(q, k, v):
+    """The same attention through another of torch's kernels (memory-efficient attention, where it runs): a
+    second correct implementation, whose curve shows how far rounding alone moves training."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return sdpa_attention(q, k, v)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, attention):
         super().__init__()
@@ -173,16 +182,24 @@ def seed_spread(seeds: int, steps: int | None = None, after: float = 0.6) -> dic
 
     Trains both attentions from `seeds` seeds (train_both). Over the last (1 - after) of the steps, where the
     curves have flattened, it reports the mean of flash - SDPA at each seed, and the spread of SDPA's own mean
-    loss across seeds: a gap well inside that spread is what another seed would move by as much."""
+    loss across seeds, and, as the floor that rounding alone sets, the same gap between two of torch's own
+    kernels (SDPA's default and its memory-efficient attention) trained from the same seed."""
     runs = [train_both(steps, seed=seed) for seed in range(seeds)]
     first = int(after * runs[0]["steps"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = GPTConfig(**runs[0]["config"])
+    for seed, run in enumerate(runs):
+        run["sdpa_efficient"] = train(sdpa_efficient_attention, run["steps"], config, run["batch"], seed=seed,
+                                      device=device)
     tail = lambda curve: sum(curve[first:]) / len(curve[first:])  # noqa: E731
     gaps = [tail(r["flash_attention_train"]) - tail(r["sdpa"]) for r in runs]
+    rounding = [tail(r["sdpa_efficient"]) - tail(r["sdpa"]) for r in runs]
     sdpa = [tail(r["sdpa"]) for r in runs]
     return {"device": runs[0]["device"], "dtype": runs[0]["dtype"], "config": runs[0]["config"],
             "batch": runs[0]["batch"], "steps": runs[0]["steps"], "from_step": first, "seeds": seeds,
-            "gap_per_seed": gaps, "sdpa_mean_per_seed": sdpa, "sdpa_seed_range": max(sdpa) - min(sdpa),
-            "curves": [{"sdpa": r["sdpa"], "flash_attention_train": r["flash_attention_train"]} for r in runs]}
+            "gap_per_seed": gaps, "torch_kernels_gap_per_seed": rounding,
+            "sdpa_mean_per_seed": sdpa, "sdpa_seed_range": max(sdpa) - min(sdpa),
+            "curves": [{k: r[k] for k in ("sdpa", "flash_attention_train", "sdpa_efficient")} for r in runs]}
 
 
 def plot(result: dict, path: str | None = None):
@@ -222,6 +239,7 @@ def main(argv=None) -> int:
         spread = seed_spread(args.seeds, args.steps)
         print(f"from step {spread['from_step']}: flash - SDPA, mean loss per seed: "
               + ", ".join(f"{g:+.4f}" for g in spread["gap_per_seed"])
+              + "; between two of torch's kernels: " + ", ".join(f"{g:+.4f}" for g in spread["torch_kernels_gap_per_seed"])
               + f"; SDPA's own mean loss ranges over {spread['sdpa_seed_range']:.4f} across the seeds")
         if args.json:
             with open(args.json, "w") as f:

@@ -50,3 +50,4 @@ def test_seed_spread_reports_the_gap_beside_the_seeds_own_spread():
         tail = lambda c: sum(c[2:]) / 3  # noqa: E731
         assert math.isclose(gap, tail(curves["flash_attention_train"]) - tail(curves["sdpa"]), rel_tol=1e-9)
     assert spread["sdpa_seed_range"] > 0  # two seeds: other weights, other batches
+    assert len(spread["torch_kernels_gap_per_seed"]) == 2 and len(spread["curves"][0]["sdpa_efficient"]) == 5
