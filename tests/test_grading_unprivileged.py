@@ -101,24 +101,27 @@ def test_the_jail_holds_for_an_ordinary_user():
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _work_attacks() -> dict:
-    """student -> (assignment, notebook, expected points): every submission of the suites that prove a point is
-    earned only by the work (kernels run by the grader, memory measured from outside, a ring measured per rank)."""
+def _work_attacks(which: str) -> dict:
+    """student -> (assignment, notebook, expected points): the submissions of the suites that prove a point is
+    earned only by the work: "ring" (07's ring measured per rank, no rank reading another's shards), or "kernels
+    and memory" (kernels run by the grader, memory measured from outside)."""
     import test_grading_kernels as kernels
     import test_grading_kernels_more as kernels_more
     import test_grading_work as work
 
+    if which == "ring":
+        return {s: (work.RING, nb, points) for s, (nb, points) in work.RING_CASES.items()}
     return {**work.CASES, **kernels_more.CASES,
-            **{s: (work.RING, nb, points) for s, (nb, points) in work.RING_CASES.items()},
             **{s: (kernels.FLASH, nb, points) for s, (nb, points) in kernels.CASES.items()}}
 
 
-def test_points_need_the_work_for_an_ordinary_user():
+@pytest.mark.parametrize("which", ["kernels and memory", "ring"])
+def test_points_need_the_work_for_an_ordinary_user(which):
     """Graded by an ordinary user, each shortcut to a kernel, memory or ring point scores what it scores as root,
     and each honest variant keeps full marks."""
     import json
 
-    cases = _work_attacks()
+    cases = _work_attacks(which)
     work = Path(tempfile.mkdtemp(prefix="flashcourse-unprivileged-", dir="/tmp"))
     try:
         for student, (assignment, nb, _) in cases.items():

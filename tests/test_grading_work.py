@@ -253,6 +253,10 @@ RING_CASES = {  # student -> (notebook, expected points): 07's ring points need 
     "ring_all_gather": (_replacing(RING, "ring_attention", ring_variants.ALL_GATHER), _without(RING, *RING_CELLS)),
     "ring_reads_every_ranks_args": (_replacing(RING, "ring_attention", ring_variants.READS_EVERY_RANKS_ARGS),
                                     _without(RING, *RING_CELLS)),
+    "ring_reads_other_ranks_memory": (_replacing(RING, "ring_attention", ring_variants.READS_OTHER_RANKS_MEMORY),
+                                      _without(RING, *RING_CELLS)),
+    "ring_all_gather_forgets_its_peak": (_replacing(RING, "ring_attention", ring_variants.ALL_GATHER_FORGETS_ITS_PEAK),
+                                         _without(RING, *RING_CELLS)),
     "ring_isend_irecv": (_replacing(RING, "ring_attention", ring_variants.ISEND_IRECV), EXPECTED[RING]["alt_correct"]),
     "ring_sendrecv_parity": (_replacing(RING, "ring_attention", ring_variants.SENDRECV_PARITY),
                              EXPECTED[RING]["alt_correct"]),
@@ -266,7 +270,8 @@ def graded_rings(tmp_path_factory):
 
 @pytest.mark.parametrize("student", RING_CASES)
 def test_ring_points_need_a_ring(graded_rings, student):
-    """all_gather, or reading other ranks' shards, loses the ring cells; rings written other ways keep them."""
+    """all_gather (even one that tells the kernel to forget its peak), or reading other ranks' shards (where the
+    caller keeps them, or out of the other ranks' memory), loses the ring cells; rings written other ways keep them."""
     outcomes, _ = graded_rings
     got = auto_points(outcomes[student])
     assert got == RING_CASES[student][1], (got, outcomes[student].problem, outcomes[student].anomalies)

@@ -247,6 +247,83 @@ def test_no_user_namespace_can_be_made_but_threads_and_processes_can(kernel):
     assert out.split() == ["made", "0", "thread", "[1]"], out
 
 
+READS_A_COLLUDING_SIBLING = """
+import ctypes, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+secret = ctypes.create_string_buffer(b"the shards of rank 1" * 1000)
+ready_r, ready_w = os.pipe()
+sibling = os.fork()
+if sibling == 0:   # wants to be read: asks to be dumpable and to let anyone trace it, then waits
+    asked = [libc.prctl(4, 1, 0, 0, 0), libc.prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)]
+    os.write(ready_w, repr(asked).encode())
+    time.sleep(60)
+    os._exit(0)
+asked = os.read(ready_r, 100).decode()
+os.close(ready_r)
+os.close(ready_w)
+os.kill(sibling, signal.SIGSTOP)   # stopped, as the grader leaves a rank between its turns
+time.sleep(0.2)
+
+
+class IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def attempt(what):
+    try:
+        return what()
+    except OSError as error:
+        return error.errno
+
+
+def by_mem():
+    with open(f"/proc/{sibling}/mem", "rb") as mem:
+        mem.seek(ctypes.addressof(secret))
+        return mem.read(20)
+
+
+def by_process_vm_readv():
+    out = ctypes.create_string_buffer(20)
+    local, remote = IoVec(ctypes.addressof(out), 20), IoVec(ctypes.addressof(secret), 20)
+    got = libc.process_vm_readv(sibling, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return out.raw if got == 20 else ctypes.get_errno()
+
+
+def by_ptrace():
+    return libc.ptrace(16, sibling, 0, 0) == 0 or ctypes.get_errno()   # PTRACE_ATTACH
+
+
+def forget_my_peak():
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return "forgotten"
+
+
+results = {"asked": asked, "mem": attempt(by_mem), "process_vm_readv": attempt(by_process_vm_readv),
+           "ptrace": attempt(by_ptrace), "clear_refs": attempt(forget_my_peak)}
+os.kill(sibling, signal.SIGKILL)
+os.waitpid(sibling, 0)
+print(results)
+"""
+
+
+def test_no_process_reads_another_ones_memory(kernel):
+    """Every process of the jail is non-dumpable and cannot undo it (autograder/jail/inside/limits.py, confine): a
+    forked sibling that asks to be readable (PR_SET_DUMPABLE, PR_SET_PTRACER) is refused, and its memory stays out
+    of reach of /proc/PID/mem, process_vm_readv and ptrace; nor can a process make the kernel forget its memory's
+    peak (clear_refs). From outside, the grader sees the runner non-dumpable and a new program dumpable."""
+    import ast
+    import errno
+
+    results = ast.literal_eval(run(kernel, READS_A_COLLUDING_SIBLING).strip())
+    assert results == {"asked": "[-1, -1]", "mem": errno.EACCES, "process_vm_readv": errno.EPERM,
+                       "ptrace": errno.EPERM, "clear_refs": errno.EACCES}, results
+    assert not jail._dumpable(kernel.pid)
+    run(kernel, "import subprocess\nsleeper = subprocess.Popen(['sleep', '4444'])")
+    assert [jail._dumpable(pid) for pid in kernel.others()] == [True]   # execve starts a program dumpable
+    run(kernel, "sleeper.kill(); sleeper.wait()")
+
+
 HELPER = """
 import os, signal, time
 helper = os.fork()

@@ -661,10 +661,15 @@ class Jail:
         Every other process of the jail is stopped. The runner forks a child that starts the ranks (runner.py,
         ranks_call); once all have joined the group, they are stopped too and may start no process or
         thread. Then each rank in turn runs alone while its arguments are written to the jail's pipe, so
-        only it can read them: no process of the jail ever holds another rank's shards, unless a rank sends
-        them. The ranks then run together and answer one after another, and each one's peak resident memory
-        (files' pages aside) since its arguments came is read before it is killed: with ranks["allowance"]
-        (bytes), a rank that held more fails the call with an AssertionError that says so.
+        only it can read them, and is refused if it then holds them in memory other processes could read
+        (`_dumpable`: every process of the jail is non-dumpable and cannot undo it, limits.confine), so no
+        process of the jail ever holds or reads another rank's shards, unless a rank sends them. The ranks then
+        run together and answer one after another, and each one's peak resident memory (files' pages aside)
+        beyond what it held once it had joined is read before it is killed: with ranks["allowance"] (bytes), a
+        rank that held more fails the call with an AssertionError that says so. The kernel starts a forked
+        process's peak at what it holds when forked, and the ranks are forked before they join the group and
+        hold the most then (measured: the peak equals what they hold), so that is the peak since the arguments
+        came; a rank cannot make the kernel forget its peak (its clear_refs, like its other /proc files, is root's).
         """
         ranks = request["ranks"]
         rank_args = wire.decode(request.get("args", {"list": []}), tensors)
@@ -705,7 +710,6 @@ class Jail:
                 _lower_limits(pid, _address_space_limit(pid), processes=0)
             for rank in range(world_size):
                 pid = pids[rank]
-                _reset_peak(pid)
                 start[rank] = _writable_resident(pid)
                 there = partial(_running, pid)
                 os.kill(pid, signal.SIGCONT)
@@ -714,6 +718,10 @@ class Jail:
                 if wire.receive(self.reader, deadline, there)[0] != {"got": rank} or _unread(self.writer):
                     raise MeasurementRefused(f"rank {rank} did not take its arguments as the protocol says")
                 _signal_and_wait({pid}, signal.SIGSTOP)
+                if _dumpable(pid):
+                    raise MeasurementRefused(f"rank {rank} holds its arguments in memory that the other ranks could "
+                                             "read (it became dumpable: a new program?); a rank's shards reach "
+                                             "another rank only if it sends them")
             for pid in pids.values():      # the process that started them stays stopped
 
                 os.kill(pid, signal.SIGCONT)
@@ -909,10 +917,15 @@ def _address_space_limit(pid: int) -> int:
     raise MeasurementRefused("the limits of a rank could not be read")
 
 
-def _reset_peak(pid: int) -> None:
-    """Make the kernel's peak of pid's resident memory (VmHWM) its resident memory now."""
-    with open(f"/proc/{pid}/clear_refs", "w") as refs:
-        refs.write("5")
+def _dumpable(pid: int) -> bool:
+    """Whether processes of pid's own uid may read its memory. The jail's processes are non-dumpable from the runner's
+    start (autograder/jail/inside/limits.py, confine), and the kernel gives a non-dumpable process's /proc files (not
+    its folder) to root, of its user namespace or of the machine's: a file owned by the process's own uid says it is
+    dumpable, which only a new program (execve) is there. True too when it cannot be told (the process is gone)."""
+    try:
+        return os.stat(f"/proc/{pid}/mem").st_uid == os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return True
 
 
 def _running(pid: int) -> bool:
