@@ -14,9 +14,9 @@ DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.]*<!--fig:)")
 
 NOT_MEASURED = {   # decimal numbers in the prose that no measurement of ours gives, and what they are
     "03_online_attention": {
-        "0.998": "question 3's worked answer: softmax of [8, 7, 0, 1] against [1, 1, -1, -1], computed in the text",
-        "1.4": "question 4's worked answer: 2 x 4 x 16384^2 x 64 operations, computed in the text",
-        "2.7": "question 4's worked answer: twice the line before",
+        "0.998": "question 5's worked answer: softmax of [8, 7, 0, 1] against [1, 1, -1, -1], computed in the text",
+        "1.4": "question 3's worked answer: 2 x 4 x 16384^2 x 64 operations, computed in the text",
+        "2.7": "question 3's worked answer: twice the line before",
     },
     "05_fast_kernel": {
         "3.9": "FlashAttention-3's exponential throughput on an H100, cited with the paper beside it",
