@@ -11,6 +11,8 @@ are not Python's own) with the rank and its traceback in the message; a group th
 within timeout_s (a send that nobody receives waits forever) is killed and `run` raises RanksTimedOut. On
 Linux a gloo group is also stopped sooner, once its ranks have all but left the CPU for STALL_S seconds:
 every rank is then waiting for another, which is a deadlock, and waiting longer cannot end it.
+A rank that dies (gloo aborts a rank whose receive buffer is shorter than the message it gets) is the cause of the
+other ranks' errors (a peer that vanished), so it is the one `run` reports, with what gloo said, when it said it.
 No process outlives the call: every rank is killed and reaped before `run` returns or raises.
 
 With NCCL (backend="nccl", rank r on GPU r) the ranks are started fresh ("spawn"): CUDA cannot be used
@@ -27,6 +29,7 @@ import ctypes
 import io
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import sys
@@ -48,6 +51,13 @@ FAILURE_GRACE_S = 2.0                                      # after a rank fails,
 STALL_S = 5.0          # a gloo group whose ranks all wait this long for each other is deadlocked...
 STALL_CPU_SHARE = 0.05 # ...when together they used less than this share of one core meanwhile (gloo's own
                        # threads wake now and then; a rank at work, even on a crowded machine, uses far more)
+GROUP_TIMEOUT_MARGIN_S = 15.0  # gloo's own timeout comes this long after the caller's: a deadlock is named by the
+                               # launcher (RanksTimedOut), not by gloo on whichever rank has waited longest
+LAST_WORDS_CHARS = 1 << 16     # of what a rank that died wrote on its stderr, read back for gloo's message
+# gloo's message when a message is longer than the buffer its receive was given (gloo/transport/tcp/pair.cc),
+# which it raises in its own thread, so the rank aborts (SIGABRT) instead of raising in Python
+GLOO_TOO_LONG = re.compile(r"op\.preamble\.length <= op\.nbytes\. (\d+) vs (\d+)")
+TOO_LONG = re.compile(r"a message of (\d+) bytes arrived for a receive buffer of (\d+) bytes")  # _exit_text's words
 
 
 class RanksTimedOut(RuntimeError):
@@ -68,6 +78,7 @@ def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAUL
         raise RuntimeError(f"nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPU(s)")
     context = mp.get_context("spawn" if backend == "nccl" else "fork")
     folder = tempfile.mkdtemp(prefix="flashcourse-ranks-")
+    said = [os.path.join(folder, f"rank-{rank}.stderr") for rank in range(world_size)]
     ranks, pipes = [], []
     try:
         with warnings.catch_warnings():  # forking a process that runs threads: the child only runs fn
@@ -76,12 +87,13 @@ def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAUL
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(target=_rank_main, daemon=True, name=f"rank {rank}",
                                           args=(fn, rank, world_size, backend, os.path.join(folder, "store"),
-                                                timeout_s, sender))
+                                                timeout_s, sender, said[rank]))
                 process.start()
                 sender.close()
                 ranks.append(process)
                 pipes.append(receiver)
-        return _gather(ranks, pipes, timeout_s, stall_s=STALL_S if backend == "gloo" else None)
+        return _gather(ranks, pipes, timeout_s, stall_s=STALL_S if backend == "gloo" else None,
+                       last_words=partial(_last_words, said))
     finally:
         for process in ranks:
             if process.is_alive():
@@ -89,6 +101,7 @@ def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAUL
             process.join()
         for receiver in pipes:
             receiver.close()
+        _pass_on(said)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -112,13 +125,13 @@ def _call_with(fn, rank_args: list, kwargs: dict, rank: int, world_size: int):
     return fn(*rank_args[rank], **kwargs)
 
 
-def _gather(ranks: list, pipes: list, timeout_s: float, stall_s: float | None = None) -> list:
-    """Every rank's value in rank order. When ranks fail, the one that failed first is raised: the others'
-    errors usually follow from it (a peer that vanished). The deadline raises RanksTimedOut, and so does a
-    stall: stall_s seconds in which the unfinished ranks together used less than STALL_CPU_SHARE of a core
-    (stall_s None: no such check)."""
+def _gather(ranks: list, pipes: list, timeout_s: float, stall_s: float | None = None, last_words=None) -> list:
+    """Every rank's value in rank order. When ranks fail, a rank that died is raised, else the one that failed
+    first: the others' errors usually follow from it (a peer that vanished). The deadline raises RanksTimedOut,
+    and so does a stall: stall_s seconds in which the unfinished ranks together used less than STALL_CPU_SHARE of
+    a core (stall_s None: no such check). last_words(rank): what a rank that died wrote on its stderr, if known."""
     values: dict[int, object] = {}
-    failures: list[tuple[float, int, str, str, str]] = []     # (when, rank, kind, message, traceback)
+    failures: list[tuple[bool, float, int, str, str, str]] = []   # (not died, when, rank, kind, message, traceback)
     deadline = time.monotonic() + timeout_s
     waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
     stalled = None if stall_s is None else _Stall(stall_s)
@@ -142,17 +155,18 @@ def _gather(ranks: list, pipes: list, timeout_s: float, stall_s: float | None = 
                 answer = pipe.recv()
             except EOFError:  # the process ended without answering: killed by a signal, or os._exit
                 ranks[rank].join(5)
-                failures.append((time.monotonic(), rank, "RuntimeError", "died without an answer "
-                                 f"({_exit_text(ranks[rank].exitcode)})", ""))
+                said = last_words(rank) if last_words is not None else ""
+                failures.append((False, time.monotonic(), rank, "RuntimeError", "died without an answer "
+                                 f"({_exit_text(ranks[rank].exitcode, said)})", ""))
                 continue
             if answer[0] == "raised":
-                failures.append((answer[4], rank, *answer[1:4]))
+                failures.append((True, answer[4], rank, *answer[1:4]))
             else:
                 values[rank] = torch.load(io.BytesIO(answer[1]), map_location="cpu", weights_only=False)
         if failures:   # give the other ranks a moment to report, then stop waiting for them
-            deadline = min(deadline, failures[0][0] + FAILURE_GRACE_S)
+            deadline = min(deadline, min(failure[1] for failure in failures) + FAILURE_GRACE_S)
     if failures:
-        _, rank, kind, message, trace = min(failures)
+        _, _, rank, kind, message, trace = min(failures)
         error = getattr(builtins, kind, None)
         if not (isinstance(error, type) and issubclass(error, Exception)):
             error, message = RuntimeError, f"{kind}: {message}"
@@ -200,21 +214,58 @@ def _cpu_seconds(pids) -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _exit_text(code) -> str:
-    if code is None or code >= 0:
+def _exit_text(code, said: str = "") -> str:
+    """How a rank ended, in words. code: multiprocessing's exitcode (-signal), None where it cannot be read; said:
+    the end of what it wrote on its stderr, where gloo says why it aborted (gloo aborts with SIGABRT)."""
+    sizes = GLOO_TOO_LONG.findall(said)
+    if sizes and (code is None or code == -signal.SIGABRT):
+        return (f"killed by SIGABRT: gloo aborted it because a message of {sizes[-1][0]} bytes arrived for a "
+                f"receive buffer of {sizes[-1][1]} bytes")
+    if code is None:
+        return "how it ended could not be read"
+    if code >= 0:
         return f"exit code {code}"
     if -code == signal.SIGABRT:
-        return ("killed by SIGABRT: the process aborted itself; gloo does so, for one, when a message is longer than "
-                "the buffer its receive was given")
+        return "killed by SIGABRT: the process aborted itself"
     return f"killed by {signal.Signals(-code).name}"
 
 
-def _rank_main(fn, rank: int, world_size: int, backend: str, store_path: str, timeout_s: float, sender) -> None:
-    """One rank: join the group, call fn, send back ("value", bytes) or _failure's answer."""
+def group_timeout(timeout_s: float) -> timedelta:
+    """The process group's own timeout for a call given timeout_s: later than the caller's deadline."""
+    return timedelta(seconds=timeout_s + GROUP_TIMEOUT_MARGIN_S)
+
+
+def _last_words(paths: list[str], rank: int) -> str:
+    """The end of what rank wrote on its stderr."""
+    try:
+        with open(paths[rank], "rb") as said:
+            said.seek(max(0, os.fstat(said.fileno()).st_size - LAST_WORDS_CHARS))
+            return said.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _pass_on(paths: list[str]) -> None:
+    """What the ranks wrote on their stderr, onto this process's, once they are gone."""
+    for path in paths:
+        try:
+            with open(path, "rb") as said, open(2, "wb", closefd=False) as stderr:
+                shutil.copyfileobj(said, stderr)
+        except OSError:
+            pass
+
+
+def _rank_main(fn, rank: int, world_size: int, backend: str, store_path: str, timeout_s: float, sender,
+               said: str | None = None) -> None:
+    """One rank: join the group, call fn, send back ("value", bytes) or _failure's answer. Its stderr goes to the
+    file `said`, which the caller reads if it dies and passes on once the group is gone."""
     import torch.distributed as dist
 
     answer = None
     try:
+        if said is not None:
+            with open(said, "wb") as stderr:
+                os.dup2(stderr.fileno(), 2)
         _die_with_parent()
         torch.set_num_threads(1)     # P ranks share the machine's cores; a forked OpenMP pool is not reused
         os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
@@ -222,7 +273,7 @@ def _rank_main(fn, rank: int, world_size: int, backend: str, store_path: str, ti
             torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=group_timeout(timeout_s))
         try:
             value = fn(rank, world_size)
         except BaseException as error:  # noqa: BLE001  (timed now, before the group is torn down)

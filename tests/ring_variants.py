@@ -232,3 +232,11 @@ ALL_GATHER_FORGETS_ITS_PEAK = ALL_GATHER.replace('''    return o.to(q.dtype)
         pass
     return o.to(q.dtype)
 ''')
+
+# A bug, not a shortcut: each receive buffer is as long as the shard held, so when the shards differ in length (T not
+# a multiple of 2P, or of P for contiguous) a longer shard arrives in a shorter buffer and gloo aborts the rank.
+RECEIVES_INTO_THE_HELD_LENGTH = ISEND_IRECV.replace('''        n = positions[(owner - 1) % world_size].numel()
+        next_k = torch.empty(B, k.shape[1], n, k.shape[3])
+        next_v = torch.empty(B, v.shape[1], n, v.shape[3])''', '''        next_k = torch.empty_like(held_k)
+        next_v = torch.empty_like(held_v)''')
+assert RECEIVES_INTO_THE_HELD_LENGTH != ISEND_IRECV

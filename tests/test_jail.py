@@ -6,6 +6,7 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from autograder import ROOT
 from autograder.jail import sandbox as jail
@@ -322,6 +323,48 @@ def test_no_process_reads_another_ones_memory(kernel):
     run(kernel, "import subprocess\nsleeper = subprocess.Popen(['sleep', '4444'])")
     assert [jail._dumpable(pid) for pid in kernel.others()] == [True]   # execve starts a program dumpable
     run(kernel, "sleeper.kill(); sleeper.wait()")
+
+
+SHORT_RECEIVE = """
+import os
+import torch
+import torch.distributed as dist
+
+
+def short_receive(x):
+    if dist.get_rank() == 0:
+        dist.send(torch.ones(7), 1)
+    else:
+        dist.recv(torch.empty(6), 0)     # 28 bytes arrive for 24: gloo aborts this rank
+    return x
+
+
+def aborts(x):
+    if dist.get_rank() == 1:
+        os.abort()
+    return x
+"""
+
+
+def call_on_two_ranks(kernel: jail.Jail, name: str) -> dict:
+    """The answer of the notebook's function `name` called on two ranks, as Remote.call_on_ranks asks."""
+    tensors: dict = {}
+    args, kwargs = wire.encode([[(torch.ones(1),), (torch.ones(1),)], {}], tensors)["list"]
+    request = {"op": "call", "name": name, "args": args, "kwargs": kwargs,
+               "ranks": {"backend": "gloo", "timeout_s": 30, "allowance": None}}
+    return kernel.ask(request, tensors, time.monotonic() + 120)[0]
+
+
+def test_a_rank_that_gloo_aborts_is_named_with_gloo_s_sizes(kernel):
+    """A rank whose receive buffer is shorter than the message: gloo aborts it, and the grader says so with the
+    sizes gloo wrote in the jail's log, whoever grades (an ordinary user's grader may not read the exit code of a
+    jail's process that has ended). A rank aborting later for another reason is not given that call's words."""
+    run(kernel, SHORT_RECEIVE)
+    assert call_on_two_ranks(kernel, "short_receive") == {"raised": [
+        "RuntimeError", "on rank 1 of 2: died without an answer (killed by SIGABRT: gloo aborted it because a message "
+                        "of 28 bytes arrived for a receive buffer of 24 bytes)"]}
+    raised = call_on_two_ranks(kernel, "aborts")["raised"][1]
+    assert raised.startswith("on rank 1 of 2: died without an answer") and "gloo" not in raised, raised
 
 
 HELPER = """

@@ -78,6 +78,44 @@ def test_a_deadlock_ends_and_leaves_no_process(no_process_left, timeout_s, messa
     assert least <= time.monotonic() - started < most
 
 
+def _learner_ring(code: str):
+    """ring_attention as a learner's cell defines it (tests/ring_variants.py), after the engine's helpers."""
+    namespace = {name: getattr(engine, name) for name in ("merge_lse", "shard_attention", "shard_positions")}
+    namespace.update(torch=torch, dist=dist)
+    exec(code, namespace)
+    return namespace["ring_attention"]
+
+
+SHORT_BUFFER = r"rank 1 received rank 0's shard of 7 keys into a buffer of 6 keys, the length of its own shard"
+
+
+@pytest.mark.parametrize("layout", rc.LAYOUTS)
+def test_a_receive_buffer_as_long_as_the_held_shard_is_named(no_process_left, layout):
+    """T = 13 on 2 ranks: shards of 7 and 6 keys. A ring that receives into buffers as long as the shard it holds
+    gets a 7-key shard in a 6-key buffer on rank 1, and gloo aborts that rank (SIGABRT): the check says so, from
+    the sizes gloo gave, not the other rank's error that follows from it."""
+    import ring_variants
+
+    case = ac.make_case("MHA, T = 13", batch=1, q_heads=2, kv_heads=2, t=13, d=8, seed=1)
+    with pytest.raises(AssertionError, match=SHORT_BUFFER):
+        rc.run_ring(_learner_ring(ring_variants.RECEIVES_INTO_THE_HELD_LENGTH), case.q, case.k, case.v, 2,
+                    layout=layout)
+
+
+def test_a_rank_that_aborts_otherwise_is_not_said_to_have_a_short_buffer(no_process_left):
+    """A rank that aborts for its own reasons is named as the one that died, and no buffer is blamed."""
+    def aborts(q, k, v, group=None, causal=True, layout="zigzag"):
+        if dist.get_rank() == 1:
+            os.abort()
+        dist.barrier()
+        return q
+    case = ac.make_case("MHA, T = 13", batch=1, q_heads=2, kv_heads=2, t=13, d=8, seed=1)
+    with pytest.raises(AssertionError) as failure:
+        rc.run_ring(aborts, case.q, case.k, case.v, 2)
+    assert "on rank 1 of 2: died without an answer (killed by SIGABRT: the process aborted itself)" in \
+        str(failure.value) and "buffer" not in str(failure.value), str(failure.value)
+
+
 def test_a_rank_that_computes_while_the_other_waits_is_not_a_stall(no_process_left):
     """One rank busy for longer than STALL_S while its partner waits for it: the group finishes."""
     def one_computes(rank, world_size):
@@ -257,13 +295,16 @@ def test_zigzag_mistakes_are_named():
 @pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
 def test_a_ring_runs_inside_the_grading_jail():
     """The grader's stand-in for a learner's function starts the ranks in the jail (gloo on its loopback only),
-    and a deadlocked ring there comes back as a timeout, not a hang."""
+    a deadlocked ring there comes back as a timeout, not a hang, and a rank gloo aborts for a short receive
+    buffer is named as locally."""
+    import ring_variants
     from autograder.grading import execute
 
     session = execute.Session(jailed=True, cell_timeout=120, max_restarts=0)
     try:
         learner_cells = Path(engine.__file__).read_text().split('"""', 2)[2]   # the engine, less its docstring
         learner_cells += "\n\ndef stuck(x):\n    dist.recv(torch.empty(1), (dist.get_rank() + 1) % 2)\n"
+        learner_cells += ring_variants.RECEIVES_INTO_THE_HELD_LENGTH.replace("def ring_attention(", "def short_buffer(")
         outputs = session.run_cell(learner_cells, "the engine's functions and a deadlock, as a learner's cells")
         assert not [o for o in outputs if o.output_type == "error"], outputs
         session.deadline = time.monotonic() + 120
@@ -272,6 +313,9 @@ def test_a_ring_runs_inside_the_grading_jail():
                                 causal_options=(True,))
         with pytest.raises(RuntimeError, match="RanksTimedOut"):
             execute.Remote("stuck", session).call_on_ranks([(torch.ones(1),), (torch.ones(1),)], timeout_s=2)
+        uneven = ac.make_case("MHA, T = 13", batch=1, q_heads=2, kv_heads=2, t=13, d=8, seed=1)
+        with pytest.raises(AssertionError, match=SHORT_BUFFER):   # what gloo said, read from the jail's log
+            rc.run_ring(execute.Remote("short_buffer", session), uneven.q, uneven.k, uneven.v, 2)
         assert session.anomalies == []
     finally:
         session.close()

@@ -491,6 +491,7 @@ class Jail:
         self.start_resident = 0  # and its resident memory that can hold data (_writable_resident)
         self.resident_limit = 0  # the most a measured call's process may have resident at its peak
         self.stopped_cpu: dict[int, dict[int, int]] = {}  # the jail's other processes' threads during that call
+        self.said_from = 0      # where in the log a call on ranks began
         self.folder = Path(tempfile.mkdtemp(prefix="flashcourse-jail-"))
         self.log = None         # what the kernel printed outside the protocol (start-up errors)
         self.accounting: cgroups.Accounting | None = None  # the jail's own cgroups, where some can be made
@@ -680,6 +681,7 @@ class Jail:
         deadline = min(deadline, time.monotonic() + timeout_s + START_TIMEOUT_S)
         stopped: set[int] = set()
         group: set[int] = set()
+        self.said_from = os.fstat(self.log.fileno()).st_size if self.log is not None else 0
         try:
             self._stop_others(stopped)
             kw_tensors: dict = {}
@@ -754,16 +756,20 @@ class Jail:
                 raise wire.Malformed("a rank did not read all of its arguments")
 
     def _rank_answers(self, pids: dict[int, int], timeout_s: float, deadline: float) -> dict:
-        """{"value": [each rank's value]}, or {"raised": [...]} for the rank that failed first, a rank that died,
-        a deadline passed or a stall (flashcourse.distributed's rules)."""
+        """{"value": [each rank's value]}, or {"raised": [...]} for a rank that died (whose death the others'
+        errors follow from), else the rank that failed first, a deadline passed or a stall (flashcourse.distributed's
+        rules). After a rank fails, the others have distributed.FAILURE_GRACE_S to die or answer."""
         from flashcourse import distributed
 
         world_size = len(pids)
         values: dict[int, object] = {}
+        failed, answered = None, set()   # the first failure, and the ranks that answered or failed
         end = min(deadline, time.monotonic() + timeout_s)
         stall = distributed._Stall(distributed.STALL_S)
         while len(values) < world_size:
             now = time.monotonic()
+            if failed is not None and (now >= end or len(answered) == world_size):
+                return _rank_failure(failed, world_size)
             if now >= end:
                 left = sorted(set(range(world_size)) - set(values))
                 return {"raised": ["RanksTimedOut", f"rank(s) {left} of {world_size} did not finish within "
@@ -774,25 +780,40 @@ class Jail:
                 except (wire.Closed, wire.TimedOut):
                     continue
                 rank = document.get("rank")
-                if rank not in range(world_size) or rank in values:
+                if rank not in range(world_size) or rank in answered:
                     return {"raised": ["RuntimeError", "the ranks answered out of protocol"]}
+                answered.add(rank)
                 if "raised" in document:
-                    return _rank_failure(document, world_size)
+                    if failed is None:
+                        failed, end = document, min(end, time.monotonic() + distributed.FAILURE_GRACE_S)
+                    continue
                 try:
                     values[rank] = wire.decode(document.get("value"), tensors, device_ok=_cuda_ok)
                 except (wire.Malformed, wire.Unsendable) as error:
                     return {"raised": ["RuntimeError", f"rank {rank}'s answer could not be read: {error}"]}
                 continue
             for rank, pid in pids.items():
-                if rank not in values and not _running(pid):
+                if rank not in answered and not _running(pid):
+                    said = distributed._exit_text(_exit_code(pid), self._said())
                     return {"raised": ["RuntimeError", f"on rank {rank} of {world_size}: died without an answer "
-                                                       f"({distributed._exit_text(_exit_code(pid))})"]}
+                                                       f"({said})"]}
             stuck = [pid for rank, pid in sorted(pids.items()) if rank not in values]
-            if stall.seen(stuck):
+            if failed is None and stall.seen(stuck):
                 left = sorted(set(range(world_size)) - set(values))
                 return {"raised": ["RanksTimedOut", f"rank(s) {left} of {world_size} all waited {stall.stall_s:g} s "
                                                     f"without using the CPU and were killed: {distributed._DEADLOCK}"]}
         return {"value": [values[rank] for rank in range(world_size)]}
+
+    def _said(self) -> str:
+        """The end of what the jail's processes wrote on their stdout and stderr since the call on ranks began
+        (where a rank that gloo aborted says why), read without moving the offset they write at."""
+        if self.log is None:
+            return ""
+        from flashcourse import distributed
+
+        size = os.fstat(self.log.fileno()).st_size
+        start = max(0, self.said_from, size - distributed.LAST_WORDS_CHARS)
+        return os.pread(self.log.fileno(), size - start, start).decode(errors="replace")
 
     def check_alone(self, child: int) -> None:
         """After the measured call has answered: NotAlone unless every other process of the jail
@@ -937,10 +958,16 @@ def _any_running(pids: list[int]) -> bool:
 
 
 def _exit_code(pid: int) -> int | None:
-    """How a process that has ended and not been reaped ended, as multiprocessing says it (-signal or code)."""
+    """How a process that has ended and not been reaped ended, as multiprocessing says it (-signal or code); None
+    where it cannot be read. The kernel shows an ended process's exit code, and its wchan as 1, only to whom may
+    ptrace it, and shows both as 0 to others: an ordinary user's grader may not ptrace a jail's non-dumpable
+    process once it has ended (root may, with CAP_SYS_PTRACE)."""
     try:
-        status = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[49])
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status, shown = int(fields[49]), fields[0] in ("Z", "X") and fields[32] == "1"
     except (OSError, IndexError, ValueError):
+        return None
+    if not shown:
         return None
     return -(status & 0x7F) if status & 0x7F else status >> 8
 

@@ -10,6 +10,7 @@ flashcourse.distributed, so a ring that deadlocks fails after a timeout instead 
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 import torch
@@ -296,17 +297,43 @@ def run_ring(ring_attention: Callable, q, k, v, world_size: int, causal: bool = 
         return distributed.call_on_ranks(ring_attention, rank_args, causal=causal, layout=layout,
                                          timeout_s=timeout_s)
     except RuntimeError as error:  # in grading, the jail's RanksTimedOut arrives as a RuntimeError that names it
-        if "SIGABRT" in str(error):
-            raise AssertionError(f"{where}: a rank was killed by SIGABRT, as gloo aborts a rank whose receive buffer is "
-                                 "shorter than the message it gets: when T is not a multiple of 2P the shards differ "
-                                 "in length, so size each receive like the shard it receives (its owner's positions), "
-                                 f"not like the one held. ({str(error)[:300]})") from None
+        too_long = _buffer_too_short(str(error), [a[1] for a in rank_args], layout)
+        if too_long is not None:
+            raise AssertionError(f"{where}: {too_long}") from None
         if not (isinstance(error, distributed.RanksTimedOut) or str(error).startswith("RanksTimedOut")):
             raise AssertionError(f"{where}: ring_attention failed {error}") from None
         detail = str(error).removeprefix("RanksTimedOut: ")
         raise AssertionError(f"{where}: ring_attention never finished: {detail}. Every rank must start its send to "
                              "(rank + 1) % P and its receive from (rank - 1) % P (isend and irecv, or "
                              "batch_isend_irecv) before waiting on either, the same number of times on every rank") from None
+
+
+def _buffer_too_short(error: str, ks: list, layout: str) -> str | None:
+    """What a rank that gloo aborted for a message longer than its receive buffer did (the sizes gloo gave, read by
+    flashcourse.distributed), in keys of the ring's shards ks (every rank's k): None unless gloo said so.
+
+    The mistake is named only when the sizes are exactly it: the message is a shard that rank receives in the ring
+    (the shard of rank (r - s - 1) % P at step s) and the buffer is as long as its own shard, or as the one it held."""
+    sizes, dead = distributed.TOO_LONG.search(error), re.search(r"on rank (\d+) of (\d+)", error)
+    if sizes is None:
+        return None
+    sent, room = int(sizes.group(1)), int(sizes.group(2))
+    said = f"a message of {sent} bytes arrived for a receive buffer of {room} bytes"
+    if dead is None or int(dead.group(2)) != len(ks) or int(dead.group(1)) not in range(len(ks)):
+        return f"gloo aborted a rank: {said}; a receive must be as long as the message it gets"
+    rank, world_size = int(dead.group(1)), len(ks)
+    lengths = [k.shape[2] for k in ks]
+    per_key = ks[0][:, :, :1].numel() * ks[0].element_size()          # B * Hkv * D elements of one key
+    for step in range(world_size - 1):
+        held, coming = (rank - step) % world_size, (rank - step - 1) % world_size
+        for buffer, like in ((lengths[rank], "its own shard"), (lengths[held], f"the shard it held (rank {held}'s)")):
+            if lengths[coming] > buffer and sent * buffer == room * lengths[coming] and sent % (lengths[coming] * per_key) == 0:
+                multiple = "2P" if layout == "zigzag" else "P"
+                return (f"rank {rank} received rank {coming}'s shard of {lengths[coming]} keys into a buffer of {buffer} "
+                        f"keys, the length of {like}, and gloo aborted it ({said}): when T is not a multiple of "
+                        f"{multiple} the shards differ in length, so size each receive like the shard being sent "
+                        "(its owner's positions), not like the one held")
+    return f"gloo aborted rank {rank}: {said}; a receive must be as long as the message it gets"
 
 
 def check_ring_memory(ring_attention: Callable, world_size: int, layout: str = "zigzag", causal: bool = True,

@@ -186,8 +186,6 @@ def ranks_call(shell, request: dict, in_fd: int, out_fd: int) -> None:
 def rank_main(function, rank: int, world_size: int, kwargs: dict, backend: str, store_path: str, timeout_s: float,
               in_fd: int, out_fd: int) -> None:
     """One rank: join the group, read this rank's arguments, call, answer in turn, wait to be killed."""
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
     from flashcourse import distributed
@@ -200,7 +198,7 @@ def rank_main(function, rank: int, world_size: int, kwargs: dict, backend: str, 
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+                                world_size=world_size, timeout=distributed.group_timeout(timeout_s))
         wire.send(out_fd, {"ready": rank, "pid": os.getpid()})
         request, tensors = wire.receive(in_fd)
         args = wire.decode(request.get("args", {"list": []}), tensors)
