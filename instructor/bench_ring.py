@@ -120,14 +120,14 @@ def measure(rank: int, world_size: int, *, lengths, repeats: int) -> dict:
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
     from torch.nn.attention import sdpa_kernel
 
-    from flashcourse.engine import fast_kernel
+    from flashcourse.engine.fast_lse import fast_attention_lse
     from flashcourse.engine import ring_attention as ring
 
     mesh = init_device_mesh("cuda", (world_size,))
     results = {}
     for length in lengths:
         q, k, v = inputs(length)
-        ms, (reference, _) = timed(lambda: fast_kernel.fast_attention_lse(q, k, v, causal=True), repeats)
+        ms, (reference, _) = timed(lambda: fast_attention_lse(q, k, v, causal=True), repeats)
         attempt(results, (length, "course kernel, 1 GPU"), rank, lambda: (ms, 0.0))
         k_rep, v_rep = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))   # [B, Hq, T, D]
 

@@ -22,6 +22,9 @@ NOT_MEASURED = {   # decimal numbers in the prose that no measurement of ours gi
         "3.9": "FlashAttention-3's exponential throughput on an H100, cited with the paper beside it",
         "3.6": "Triton's version number",
     },
+    "08_hopper": {
+        "3.6": "Triton's version number",
+    },
 }
 
 
@@ -47,9 +50,9 @@ def test_every_figure_is_computable_and_quoted(name):
     assert name in _quoted_everywhere(), f"{name} is defined in autograder/building/figures.py and quoted nowhere"
 
 
-@pytest.mark.parametrize("assignment", ["03_online_attention", "05_fast_kernel"])
+@pytest.mark.parametrize("assignment", ["03_online_attention", "05_fast_kernel", "08_hopper"])
 def test_no_decimal_figure_without_its_source(assignment):
-    """In 03 and 05, every decimal number in the prose is a quoted figure (code and math aside, and the few
+    """In 03, 05 and 08, every decimal number in the prose is a quoted figure (code and math aside, and the few
     numbers below that are not measurements), so a measured value cannot be typed in by hand unnoticed."""
     loose = []
     for cell in figures.markdown_cells(build.source_notebook(assignment)):
@@ -59,6 +62,7 @@ def test_no_decimal_figure_without_its_source(assignment):
 
 
 @pytest.mark.parametrize("folder, assignment", [(build.RELEASE, "05_fast_kernel"), (build.SOLUTIONS, "05_fast_kernel"),
+                                                (build.RELEASE, "08_hopper"), (build.SOLUTIONS, "08_hopper"),
                                                 (build.SOLUTIONS, "03_online_attention")])
 def test_release_and_solution_carry_the_quoted_values(folder, assignment):
     """The learner's release and the executed solution say what the source says, value for value (03's

@@ -72,15 +72,27 @@ def test_the_command_line_says_how_to_use_it(capsys):
 
 
 def test_a_class_is_handed_out_longest_first(tmp_path):
-    """The grader hands out every assignment of the course in LONGEST_FIRST's order (06 first, 01 last),
+    """The grader hands out every graded assignment of the course in LONGEST_FIRST's order (06 first, 01 last),
     learners in order within each, and an assignment it has no rank for after them."""
-    assert sorted(grade.LONGEST_FIRST) == build.assignments()
+    assert sorted(grade.LONGEST_FIRST) == build.graded_assignments()
     classroom.build(3, tmp_path)
     jobs, unreadable = grade.find_jobs(tmp_path)
     assert not unreadable
     order = [(assignment, student) for student, assignment, _ in jobs]
     assert order == [(a, f"learner00{i}") for a in grade.LONGEST_FIRST for i in (1, 2, 3)]
     assert grade.longest_first(("learner001", "08_new", tmp_path)) > grade.longest_first(jobs[-1])
+
+
+def test_a_notebook_without_graded_cells_is_not_handed_out(tmp_path):
+    """08 has no graded cell: a submission of it is reported as not graded, and nothing of it is run."""
+    ungraded = sorted(set(build.assignments()) - set(build.graded_assignments()))
+    assert ungraded == ["08_hopper"]
+    folder = tmp_path / "learner001" / ungraded[0]
+    folder.mkdir(parents=True)
+    (folder / f"{ungraded[0]}.ipynb").write_text((build.RELEASE / ungraded[0] / f"{ungraded[0]}.ipynb").read_text())
+    jobs, unreadable = grade.find_jobs(tmp_path)
+    assert jobs == [] and [(o.student, o.assignment) for o in unreadable] == [("learner001", ungraded[0])]
+    assert "not graded" in unreadable[0].problem and unreadable[0].scores == []
 
 
 def test_samples_hand_in_the_given_code_of_today():

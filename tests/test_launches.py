@@ -277,7 +277,7 @@ def test_imported_kernel_message_names_it():
 def test_undefined_or_imported_wrappers_are_missing():
     """A required wrapper that the notebook only imports, or never defines, is reported; one that launches is not."""
     cells = _cells(IMPORTS, KERNEL, """
-        from flashcourse.engine.fast_kernel import fast_attention
+        from flashcourse.engine.fast_attention import fast_attention
 
         def fast_decode(q, k, v):
             attn_kernel[(1,)](q, q, N=16)

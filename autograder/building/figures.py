@@ -32,13 +32,14 @@ FAST = "flashcourse/bench/measured/fast.json"                       # 05's bench
 FAST_REPORT = "benchmarks/results/2026-11-29-h200-fast.md"     # the same run's report, with that day's notes
 FLASH_REPORT = "benchmarks/results/2026-11-29-h200.md"         # 04's kernel against SDPA
 SWEEP_04 = "solutions/04_triton_flash/sweep.json"              # 04's own sweep on the GPU
-LAST_GAP = "flashcourse/bench/measured/fast_last_gap.json"            # 05's last part: causal grid, FP8 errors, grid tail
+LAST_GAP = "flashcourse/bench/measured/fast_last_gap.json"            # 08: causal grid, FP8 errors, grid tail
 PROFILE = "flashcourse/bench/measured/fast_profile.json"              # Nsight Compute at T = 1k and 16k, reduced
 RING_REPORT = "benchmarks/results/2026-11-30-h200x2-ring-05.md"   # 07's ring on two H200s (bench_ring)
 LPT_GROUPS = "flashcourse/bench/measured/fast_lpt_groups.json"        # longest first in L2-sized head groups
-LAST_GAP_2 = "flashcourse/bench/measured/fast_last_gap_2.json"        # 05's last part: the grid with the lse forward, decode
-HOPPER = "flashcourse/bench/measured/fast_hopper.json"              # 05: hopper_attention (Gluon) on the prefill grid
-FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05: decode in one launch against two
+LAST_GAP_2 = "flashcourse/bench/measured/fast_last_gap_2.json"        # 05's given steps: the grid with the lse forward, decode
+HOPPER = "flashcourse/bench/measured/fast_hopper.json"              # 08: hopper_attention (Gluon) on the prefill grid
+HOPPER_REPORT = "benchmarks/results/2026-12-01-h200-hopper-gluon.md"  # 08: the same run, and the versions before it
+FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given steps: decode in one launch against two
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -214,10 +215,16 @@ def _hopper_row(data, t: int, causal: bool = True) -> dict:
 def _hopper_repeats(data) -> list[float]:
     """hopper_attention over its own schedule's column, every row: the same kernel timed twice in one run."""
     from flashcourse.bench.fast import HOPPER_SCHEDULES
-    from flashcourse.engine.fast_kernel import hopper_schedule
+    from flashcourse.engine.hopper import hopper_schedule
 
     column = {schedule: name for name, schedule in HOPPER_SCHEDULES.items()}
     return [r["hopper_attention"] / r[column[hopper_schedule(r["t"], r["causal"])]] for r in data["prefill"]]
+
+
+def _version(report: Report, version: int, column: str, at: int = 0) -> float:
+    """The at-th number in a cell of the Gluon report's table of the versions before hopper_attention (1 to 5)."""
+    row = next(r for r in report.tables[1] if r["version"].startswith(f"{version}."))
+    return float(re.findall(r"\d+(?:\.\d+)?", row[column])[at])
 
 
 def _fused_over_two(data) -> list[float]:
@@ -282,14 +289,14 @@ FIGURES: dict[str, Figure] = {
     "fast.decode.of_copy_8k": Figure(FAST, lambda d: 100 * _decode(d, 1, 8192)["fast_decode"] / d["copy_tbs"]),
     "fast.decode.over_best_sdpa_min": Figure(FAST, lambda d: min(_over_best_sdpa(d)), 2),
     "fast.decode.over_best_sdpa_max": Figure(FAST, lambda d: max(_over_best_sdpa(d)), 2),
-    # 05, the last gap: the causal grid beside cuDNN (one process)
+    # 08, step 1: the causal grid beside cuDNN (one process)
     "gap.of_cudnn_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["fast_attention"] / _gap(d, 1024)["SDPA cuDNN"], 2),
     "gap.of_cudnn_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["fast_attention"] / _gap(d, 16384)["SDPA cuDNN"], 2),
     "gap.of_cudnn_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "fast_attention", "SDPA cuDNN")), 2),
     "gap.of_cudnn_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "fast_attention", "SDPA cuDNN")), 2),
     "gap.fast_8k": Figure(LAST_GAP, lambda d: _gap(d, 8192)["fast_attention"]),
     "gap.cudnn_8k": Figure(LAST_GAP, lambda d: _gap(d, 8192)["SDPA cuDNN"]),
-    # 05, the last gap: Nsight Compute (bf16 causal D = 128)
+    # 08, step 1: Nsight Compute (bf16 causal D = 128)
     "gap.ncu.fast_tensor_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "fast_fwd")["tensor_pipe_pct"]),
     "gap.ncu.cudnn_tensor_1k": Figure(PROFILE, lambda p: _kernel(p, 1024, "cudnn")["tensor_pipe_pct"]),
     "gap.ncu.fast_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["tensor_pipe_pct"]),
@@ -316,7 +323,7 @@ FIGURES: dict[str, Figure] = {
     "gap.ncu.fp8_issue_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fp8_fwd")["issue_slots_pct"]),
     "gap.ncu.fp8_tensor_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fp8_fwd")["tensor_pipe_pct"]),
     "gap.ncu.fast_issue_16k": Figure(PROFILE, lambda p: _kernel(p, 16384, "fast_fwd")["issue_slots_pct"]),
-    # 05, the last gap: the tail of the causal grid (simulated) and longest first
+    # 08, steps 1 to 3: the tail of the causal grid (simulated) and longest first
     "gap.tail.fast_1k": Figure(LAST_GAP, lambda d: _tail(d, 1024, 64, "fast order"), 1),
     "gap.tail.lpt_1k": Figure(LAST_GAP, lambda d: _tail(d, 1024, 64, "LPT order"), 1),
     "gap.tail.fast_16k": Figure(LAST_GAP, lambda d: _tail(d, 16384, 128, "fast order"), 1),
@@ -330,7 +337,7 @@ FIGURES: dict[str, Figure] = {
     "gap.lpt.groups_over_fast_max": Figure(LPT_GROUPS, lambda d: max(_groups_over_fast(d)), 2),
     "gap.lpt.group_heads_1k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][0]["head_group"]),
     "gap.lpt.group_heads_16k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][-1]["head_group"]),
-    # 05, the last gap: FP8 speed (kernel alone, and with PyTorch's quantization) and error (RMS in units of 10^-3)
+    # 08, step 6: FP8 speed (kernel alone, and with PyTorch's quantization) and error (RMS in units of 10^-3)
     "gap.fp8.over_fast_d128_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=128)), 2),
     "gap.fp8.over_fast_d128_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "FP8", d=128)), 2),
     "gap.fp8.over_fast_d64_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=64)), 2),
@@ -349,7 +356,7 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.max_rot_outliers": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8 + rotation", "max"), 2),
     "gap.fp8.rotation_gain": Figure(LAST_GAP, lambda d: _fp8_error(d, _OUTLIERS, "FP8", "rms")
                                     / _fp8_error(d, _OUTLIERS, "FP8 + rotation", "rms"), 1),
-    # 05's last part, continued: the lse forward, Hopper's pipelining options, decode at short caches
+    # 05's given steps: the lse forward, decode at short caches; 08, steps 4 and 5: Hopper's pipelining options, Gluon
     "gap2.lse.over_fast_min": Figure(LAST_GAP_2, lambda d: min(_lse_over_fast(d)), 2),
     "gap2.lse.over_fast_max": Figure(LAST_GAP_2, lambda d: max(_lse_over_fast(d)), 2),
     "gap2.lse.over_fast_median": Figure(LAST_GAP_2, lambda d: sorted(_lse_over_fast(d))[len(d["prefill"]) // 2], 2),
@@ -372,6 +379,31 @@ FIGURES: dict[str, Figure] = {
     "hopper.fast_full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["fast_attention"]),
     "hopper.repeat_rows_within_5": Figure(HOPPER, lambda d: sum(abs(x - 1) <= 0.05 for x in _hopper_repeats(d))),
     "hopper.repeat_worst_pct": Figure(HOPPER, lambda d: 100 * max(abs(x - 1) for x in _hopper_repeats(d))),
+    # 08, step 5: the versions before hopper_attention, bf16 causal D = 128 T = 16k unless named (each its own run)
+    "hopper.v1.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 1, "causal D=128 T=16k")),
+    "hopper.v1.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 1, "cuDNN (same run)")),
+    "hopper.v1.fast_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 1, "fast_attention (same run)")),
+    "hopper.v2.causal_16k_2_stages": Figure(HOPPER_REPORT, lambda r: _version(r, 2, "causal D=128 T=16k", 0)),
+    "hopper.v2.causal_16k_3_stages": Figure(HOPPER_REPORT, lambda r: _version(r, 2, "causal D=128 T=16k", 2)),
+    "hopper.v2.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 2, "cuDNN (same run)")),
+    "hopper.v3.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "causal D=128 T=16k")),
+    "hopper.v3.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "cuDNN (same run)")),
+    "hopper.v3.full_16k_pingpong": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "other rows", 2)),
+    "hopper.v3.cudnn_full_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "other rows", 3)),
+    "hopper.v4.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "causal D=128 T=16k", 0)),
+    "hopper.v4.one_per_item_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "causal D=128 T=16k", 1)),
+    "hopper.v4.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "cuDNN (same run)")),
+    "hopper.v4.full_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "other rows", 1)),
+    "hopper.v4.one_per_item_full_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "other rows", 2)),
+    "hopper.v4.cudnn_full_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "other rows", 3)),
+    "hopper.v5.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "causal D=128 T=16k", 0)),
+    "hopper.v5.one_per_item_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "causal D=128 T=16k", 1)),
+    "hopper.v5.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "cuDNN (same run)")),
+    "hopper.v5.causal_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 1)),
+    "hopper.v5.one_per_item_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 2)),
+    "hopper.v5.cudnn_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 3)),
+    "hopper.v5.causal_2k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 6)),
+    "hopper.v5.one_per_item_2k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 7)),
     "fused.over_two_min": Figure(FUSED, lambda d: min(_fused_over_two(d)), 2),
     "fused.over_two_max": Figure(FUSED, lambda d: max(_fused_over_two(d)), 2),
     "fused.tbs_8k": Figure(FUSED, lambda d: _decode(d, 1, 8192, "decode_fused")["fused_decode"], 2),

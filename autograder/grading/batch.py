@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from autograder.building.build import assignments as known_assignments
+from autograder.building.build import graded_assignments
 from autograder.grading.submission import Outcome, grade_one, questions, register, zeros
 from autograder.jail import cgroups, sandbox as jail
 
@@ -37,7 +38,8 @@ from autograder.jail import cgroups, sandbox as jail
 # instead of one long notebook running alone after all the rest (longest-processing-time order). From the
 # mean seconds per notebook of a class of 50 (benchmarks/results/2026-11-30-grading-class-of-50.md), the same
 # order on the 2-core CPU machine and on the H200: 06 13 / 118, 05 10 / 34, 04 9 / 25, 03 5.6 / 6.6,
-# 07 5.4 / 4.3, 02 1.8 / 2.9, 01 1.8 / 1.4. An assignment not named here goes last.
+# 07 5.4 / 4.3, 02 1.8 / 2.9, 01 1.8 / 1.4. An assignment not named here goes last. Every graded assignment is
+# named; 08, which has no graded cells, is never handed out (find_jobs reports a submission of it as not graded).
 LONGEST_FIRST = ("06_backward", "05_fast_kernel", "04_triton_flash", "03_online_attention", "07_ring_attention",
                  "02_single_query", "01_online_softmax")
 
@@ -45,12 +47,16 @@ LONGEST_FIRST = ("06_backward", "05_fast_kernel", "04_triton_flash", "03_online_
 def find_jobs(submissions: Path) -> tuple[list[tuple[str, str, Path]], list[Outcome]]:
     """(student, assignment, notebook) for every submission, longest to grade first, and outcomes for the
     ungradable ones."""
-    jobs, known = [], set(known_assignments())
+    jobs, known, graded = [], set(known_assignments()), set(graded_assignments())
     unreadable: list[Outcome] = []
     for folder in sorted(p for p in submissions.glob("*/*") if p.is_dir()):
         student, assignment = folder.parent.name, folder.name
         if assignment not in known:
             unreadable.append(Outcome(student, assignment, problem=f"{assignment} is not an assignment of this course"))
+            continue
+        if assignment not in graded:
+            unreadable.append(Outcome(student, assignment, problem=f"{assignment} is not graded: it has no graded cells "
+                                                                   "(a notebook to read and run)"))
             continue
         if folder.is_symlink() or folder.parent.is_symlink():
             unreadable.append(Outcome(student, assignment, problem="the submission folder is a symbolic link"))
@@ -100,7 +106,7 @@ def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
         shutil.rmtree(out / kind, ignore_errors=True)
     (out / "templates").mkdir(parents=True, exist_ok=True)
     todo, outcomes = find_jobs(submissions)
-    assignments = sorted({a for _, a, _ in todo} | {o.assignment for o in outcomes if o.assignment in known_assignments()})
+    assignments = sorted({a for _, a, _ in todo} | {o.assignment for o in outcomes if o.assignment in graded_assignments()})
     templates = {a: register(a, out / "templates") for a in assignments}
     asked = {a: questions(templates[a]) for a in assignments}  # read once, before any student runs
     outcomes = [zeros(o.student, o.assignment, asked[o.assignment], o.problem) if o.assignment in asked else o

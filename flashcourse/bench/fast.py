@@ -135,7 +135,7 @@ def reference_scores(q, k, causal: bool, heads: int = 2):
 
 def steps() -> list[dict]:
     """Each step of assignment 05 at bf16 causal D=128 T=8192 B=4 H=32 (TFLOP/s)."""
-    from flashcourse.engine.fast_kernel import fast_attention
+    from flashcourse.engine.fast_attention import fast_attention
     from flashcourse.engine.triton_flash import flash_attention
 
     q, k, v = _inputs(4, 32, 32, 8192, 8192, 128, torch.bfloat16)
@@ -161,7 +161,7 @@ def steps() -> list[dict]:
 def prefill(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_attention, fast_fwd_tuned
+    from flashcourse.engine.fast_attention import fast_attention, fast_fwd_tuned
     from flashcourse.engine.triton_flash import flash_attention
 
     rows = [] if rows is None else rows   # filled in place; done() after each row lets the caller save it
@@ -206,7 +206,7 @@ def copy_bandwidth(gib: float = 4.0) -> float:
 def decode(grid=DECODE, q_heads=32, kv_heads=8, d=128, rows=None, done=lambda: None) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_decode
+    from flashcourse.engine.decode import fast_decode
     from flashcourse.engine.triton_flash import flash_attention
 
     rows = [] if rows is None else rows
@@ -347,8 +347,9 @@ def last_gap(grid=LAST_GAP, rows=None, done=lambda: None) -> list[dict]:
     """TFLOP/s of the fast kernel, its longest-first variants, cuDNN, FlashAttention-2 and FP8 (causal, T = S)."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import (fast_attention, fast_fwd_tuned, fp8_forward, fp8_fwd_tuned, lpt_attention,
-                                                lpt_fwd_tuned, prepare_fp8)
+    from flashcourse.engine.fast_attention import fast_attention, fast_fwd_tuned
+    from flashcourse.engine.fp8 import fp8_forward, fp8_fwd_tuned, prepare_fp8
+    from flashcourse.engine.longest_first import lpt_attention, lpt_fwd_tuned
 
     rows = [] if rows is None else rows
     for dtype_name, d, q_heads, kv_heads, lengths in grid:
@@ -392,7 +393,8 @@ def lpt_groups(lengths=(1024, 2048, 4096, 8192, 16384), d=128) -> list[dict]:
     """bf16 causal, H = 32: longest first over the whole grid, and within head groups whose K and V fit in L2."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_attention, l2_head_group, lpt_attention
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.longest_first import l2_head_group, lpt_attention
 
     rows = []
     for t in lengths:
@@ -441,7 +443,8 @@ def outlier_inputs(batch, heads, t, d, dtype, seed=0):
 
 def fp8_errors(t: int = 4096, heads: int = 4, d: int = 128, causal: bool = True) -> list[dict]:
     """Max and RMS error against FP32 of the bf16 kernel, FP8, and FP8 with Q and K rotated, on two inputs."""
-    from flashcourse.engine.fast_kernel import fast_attention, fp8_attention, random_rotation
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.fp8 import fp8_attention, random_rotation
 
     rotation = random_rotation(d, seed=0, device="cuda")
     inputs = {"N(0, 1)": _inputs(1, heads, heads, t, t, d, torch.bfloat16),
@@ -467,7 +470,9 @@ def profile_run(t: int) -> None:
     """
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_attention, fp8_forward, lpt_attention, prepare_fp8
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.fp8 import fp8_forward, prepare_fp8
+    from flashcourse.engine.longest_first import lpt_attention
 
     batch = max(1, TOKENS // t)
     q, k, v = _inputs(batch, 32, 32, t, t, 128, torch.bfloat16)
@@ -625,7 +630,8 @@ def pipeline_trials(lengths=(1024, 4096, 16384), warp_specialize=None) -> list[d
     when given). TFLOP/s; NaN where a config fails to compile."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_attention, fast_attention_lse, fast_lse_tuned
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.fast_lse import fast_attention_lse, fast_lse_tuned
 
     trials = [c for c in PIPELINE_TRIALS if warp_specialize is None or c[4] == warp_specialize]
     rows = []
@@ -665,9 +671,9 @@ def decode_sweep(lengths=SHORT_CACHES, q_heads=32, kv_heads=8, d=128) -> list[di
     The launch is set by substituting decode_launch for the sweep (fast_decode reads it at each call)."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine import fast_kernel
+    from flashcourse.engine import decode as engine
 
-    given_launch = fast_kernel.decode_launch
+    given_launch = engine.decode_launch
     rows = []
     for s in lengths:
         kv_bytes = 2 * kv_heads * s * d * 2
@@ -679,15 +685,15 @@ def decode_sweep(lengths=SHORT_CACHES, q_heads=32, kv_heads=8, d=128) -> list[di
                                                        for c in caches]) / 1e9
         try:
             for block_n, warps, stages in DECODE_LAUNCHES:
-                fast_kernel.decode_launch = lambda device, d=128, launch=dict(BLOCK_N=block_n, num_warps=warps,
+                engine.decode_launch = lambda device, d=128, launch=dict(BLOCK_N=block_n, num_warps=warps,
                                                                        num_stages=stages): launch
                 for splits in DECODE_SPLITS:
-                    tbs = kv_bytes / _or_nan(_graph_ms, [functools.partial(fast_kernel.fast_decode, *c, splits=splits)
+                    tbs = kv_bytes / _or_nan(_graph_ms, [functools.partial(engine.fast_decode, *c, splits=splits)
                                                          for c in caches]) / 1e9
                     row["configs"][f"{block_n} w{warps} s{stages} / {splits}"] = tbs
         finally:
-            fast_kernel.decode_launch = given_launch
-        row["default"] = kv_bytes / _graph_ms([functools.partial(fast_kernel.fast_decode, *c) for c in caches]) / 1e9
+            engine.decode_launch = given_launch
+        row["default"] = kv_bytes / _graph_ms([functools.partial(engine.fast_decode, *c) for c in caches]) / 1e9
         best = max(row["configs"], key=row["configs"].get)
         print(f"  S={s:6d}: default {row['default']:.2f}, best {best} {row['configs'][best]:.2f}, cuDNN "
               f"{row['SDPA cuDNN']:.2f}, flash {row['SDPA flash']:.2f}, same-bytes copy {row['copy_same_bytes']:.2f} TB/s",
@@ -754,7 +760,8 @@ def _print_row(row, names, suffix="") -> None:
 
 def prefill_with_lse(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
     """bench_fast's prefill grid: fast_attention, fast_attention_lse (autotuned), SDPA cuDNN and flash (TFLOP/s)."""
-    from flashcourse.engine.fast_kernel import fast_attention, fast_attention_lse, fast_lse_tuned
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.fast_lse import fast_attention_lse, fast_lse_tuned
 
     rows = [] if rows is None else rows
     for row, q, k, v, flops, sdpa in _prefill_cases(grid):
@@ -775,7 +782,7 @@ def prefill_with_lse(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
 def _decode_cases(grid, q_heads, kv_heads, d):
     """Each (B, S) of a decode grid: its row (B, S, cache copies, short_cache_splits, the same-bytes copy's TB/s),
     the bytes of K and V one decode reads, and several copies of the cache (more than the L2 holds)."""
-    from flashcourse.engine.fast_kernel import short_cache_splits
+    from flashcourse.engine.decode import short_cache_splits
 
     for batch, s in grid:
         kv_bytes = 2 * batch * kv_heads * s * d * 2
@@ -798,7 +805,7 @@ def decode_short(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, do
     """fast_decode with decode_splits and with short_cache_splits, SDPA's backends and a same-bytes copy (TB/s)."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_decode
+    from flashcourse.engine.decode import fast_decode
 
     rows = [] if rows is None else rows
     for row, kv_bytes, caches in _decode_cases(grid, q_heads, kv_heads, d):
@@ -893,7 +900,8 @@ HOPPER_NAMES = ["fast_attention", "hopper_attention", "SDPA cuDNN", "SDPA flash"
 def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
     """bench_fast's prefill grid: hopper_attention with its own schedule and with each of HOPPER_SCHEDULES,
     fast_attention, SDPA cuDNN and flash (TFLOP/s), and both course kernels' errors against FP32."""
-    from flashcourse.engine.fast_kernel import fast_attention, hopper_attention
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.hopper import hopper_attention
 
     rows = [] if rows is None else rows
     for row, q, k, v, flops, sdpa in _prefill_cases(grid):
@@ -982,7 +990,7 @@ def decode_fused(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, do
     SDPA cuDNN and a same-bytes copy, each timed in a CUDA graph over several copies of the cache (TB/s)."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fast_kernel import fast_decode, fused_decode
+    from flashcourse.engine.decode import fast_decode, fused_decode
 
     rows = [] if rows is None else rows
     for row, kv_bytes, caches in _decode_cases(grid, q_heads, kv_heads, d):

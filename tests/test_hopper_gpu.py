@@ -1,0 +1,67 @@
+"""08's compiled kernels on a CUDA GPU: longest-first order and FP8 at long shapes against an FP32 reference, and
+hopper_attention (Gluon) under each schedule on a Hopper GPU."""
+
+import pytest
+import torch
+
+from flashcourse.engine.fp8 import fp8_attention, random_rotation
+from flashcourse.engine.hopper import hopper_attention
+from flashcourse.engine.longest_first import lpt_attention
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")]
+
+
+@pytest.mark.parametrize("persistent, head_group", [(True, None), (False, None), (True, 3), (False, 16)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_lpt_long_autotuned(persistent, head_group, causal):
+    """Longest-first order, persistent or one program per item, in L2-sized or given head groups (3 leaves a
+    smaller last group): T = S = 3001, GQA 4, D = 128, error within 2e-2."""
+    from flashcourse.bench.fast import _inputs, max_error
+
+    q, k, v = _inputs(2, 8, 2, 3001, 3001, 128, torch.bfloat16)
+    out = lpt_attention(q, k, v, causal=causal, persistent=persistent, head_group=head_group)
+    assert max_error(out, q, k, v, causal) < 2e-2
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("d, causal", [(128, True), (128, False), (64, True)])
+def test_fp8_long(d, causal, rotate):
+    """FP8 at T = S = 2125 (no block divides it), GQA 4, N(0, 1) inputs, against FP32: RMS error below 3e-2
+    and max error below 0.5 (e4m3 keeps 3 mantissa bits: one value rounds by up to 6 %, and a row that
+    sees one key returns that key's V so rounded)."""
+    from flashcourse.bench.fast import _inputs, max_error, rms_error
+
+    q, k, v = _inputs(2, 8, 2, 2125, 2125, d, torch.bfloat16)
+    rotation = random_rotation(d, seed=0, device="cuda") if rotate else None
+    out = fp8_attention(q, k, v, causal=causal, rotation=rotation)
+    assert out.dtype == torch.bfloat16
+    assert rms_error(out, q, k, v, causal) < 3e-2 and max_error(out, q, k, v, causal) < 0.5
+
+
+def _hopper_with_gluon() -> bool:
+    from flashcourse.engine import hopper
+
+    return hopper.gluon is not None and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("persistent, pingpong", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
+    (2, 8, 2, 1024, 1024, 128, True),      # GQA 4, several items per program when persistent
+    (1, 8, 8, 384, 1000, 64, True),        # queries at the end of a longer cache; S not a multiple of a tile
+    (2, 4, 2, 256, 777, 128, False),       # not causal, the last tile runs into the next head's keys
+    (3, 40, 8, 1280, 1280, 128, True),     # 1200 items: more than one wave
+])
+def test_hopper_attention(persistent, pingpong, dtype, batch, q_heads, kv_heads, t, s, d, causal):
+    """hopper_attention under each schedule against an FP64 reference, within 2e-2."""
+    from flashcourse.checks import reference
+    from flashcourse.bench.fast import _inputs
+
+    q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, dtype)
+    got = hopper_attention(q, k, v, causal=causal, persistent=persistent, pingpong=pingpong)
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
+    error = (got.cpu().double() - want).abs().max()
+    assert error < 2e-2, f"persistent={persistent}, pingpong={pingpong}: max |error| {error:.2e}"
