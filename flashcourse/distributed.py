@@ -2,6 +2,8 @@
 
     outputs = distributed.run(fn, world_size=2)      # [fn(0, 2), fn(1, 2)], each on its own rank, gloo
     outputs = distributed.call_on_ranks(ring_attention, [(q0, k0, v0), (q1, k1, v1)], causal=True)
+    outputs = distributed.call_on_ranks(ring_attention, [(q0, k0, v0), (q1, k1, v1)], group_ranks=[1, 2],
+                                        world_size=4)   # ranks 1 and 2 of 4 get group=new_group([1, 2])
 
 With gloo each rank is a forked copy of the calling process, so a function defined in a notebook cell
 runs as it is, with every tensor the notebook holds. The ranks meet through a FileStore in a fresh
@@ -106,8 +108,13 @@ def run(fn, world_size: int, *, backend: str = "gloo", timeout_s: float = DEFAUL
 
 
 def call_on_ranks(fn, rank_args, *, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S,
-                  allowance: int | None = None, **kwargs) -> list:
+                  allowance: int | None = None, group_ranks=None, world_size: int | None = None, **kwargs) -> list:
     """[fn(*rank_args[r], **kwargs) for every rank r], on a fresh group of len(rank_args) processes.
+
+    With group_ranks (global ranks, in the order that numbers the group), the world has world_size ranks (by
+    default as many as the group), every rank makes `dist.new_group(group_ranks, sort_ranks=False)`, and group
+    rank r (global rank group_ranks[r]) calls fn(*rank_args[r], group=that group, **kwargs); the other ranks take
+    no part. The answers are the group's, in group order.
 
     A stand-in for a function that lives in another process (the grader's view of a learner's function)
     has its own call_on_ranks, which starts the ranks over there; it is used when present. There each
@@ -115,14 +122,47 @@ def call_on_ranks(fn, rank_args, *, backend: str = "gloo", timeout_s: float = DE
     it fails the call (autograder/jail/sandbox.py, Jail.call_on_ranks). Here, where the ranks are forked from this
     process and so hold what it holds, the allowance is not measured.
     """
+    if group_ranks is not None:
+        group_ranks = check_group(group_ranks, world_size, len(rank_args))
+        world_size = world_size or len(group_ranks)
     elsewhere = getattr(fn, "call_on_ranks", None)
     if callable(elsewhere):
-        return elsewhere(rank_args, backend=backend, timeout_s=timeout_s, allowance=allowance, **kwargs)
-    return run(partial(_call_with, fn, list(rank_args), kwargs), len(rank_args), backend=backend, timeout_s=timeout_s)
+        grouped = {} if group_ranks is None else {"group_ranks": group_ranks, "world_size": world_size}
+        return elsewhere(rank_args, backend=backend, timeout_s=timeout_s, allowance=allowance, **grouped, **kwargs)
+    if group_ranks is None:
+        return run(partial(_call_with, fn, list(rank_args), kwargs), len(rank_args), backend=backend,
+                   timeout_s=timeout_s)
+    values = run(partial(_call_in_group, fn, list(rank_args), kwargs, group_ranks), world_size, backend=backend,
+                 timeout_s=timeout_s)
+    return [values[rank] for rank in group_ranks]
+
+
+def check_group(group_ranks, world_size: int | None, members: int) -> list[int]:
+    """group_ranks as a list of distinct global ranks of a world of world_size (default: the group's size), one per
+    tuple of arguments; ValueError otherwise."""
+    group_ranks = [int(rank) for rank in group_ranks]
+    world_size = len(group_ranks) if world_size is None else int(world_size)
+    if len(group_ranks) != members or len(set(group_ranks)) != len(group_ranks) or \
+            not all(0 <= rank < world_size for rank in group_ranks):
+        raise ValueError(f"group_ranks must be {members} distinct ranks of a world of {world_size}, one per tuple of "
+                         f"arguments, got {group_ranks}")
+    return group_ranks
 
 
 def _call_with(fn, rank_args: list, kwargs: dict, rank: int, world_size: int):
     return fn(*rank_args[rank], **kwargs)
+
+
+def _call_in_group(fn, rank_args: list, kwargs: dict, group_ranks: list, rank: int, world_size: int):
+    """fn on group_ranks' group, by its members; every rank waits for all of them on a group of its own (turns), so
+    that no rank outside the group leaves, or joins a collective of the default group, while they work."""
+    import torch.distributed as dist
+
+    group = dist.new_group(group_ranks, sort_ranks=False)
+    turns = dist.new_group(list(range(world_size)))
+    value = fn(*rank_args[group_ranks.index(rank)], group=group, **kwargs) if rank in group_ranks else None
+    dist.barrier(turns)
+    return value
 
 
 def _gather(ranks: list, pipes: list, timeout_s: float, stall_s: float | None = None, last_words=None) -> list:

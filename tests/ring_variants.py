@@ -240,3 +240,19 @@ RECEIVES_INTO_THE_HELD_LENGTH = ISEND_IRECV.replace('''        n = positions[(ow
         next_v = torch.empty(B, v.shape[1], n, v.shape[3])''', '''        next_k = torch.empty_like(held_k)
         next_v = torch.empty_like(held_v)''')
 assert RECEIVES_INTO_THE_HELD_LENGTH != ISEND_IRECV
+
+# Bugs with group=, each exact on the default group (tests/test_ring_attention.py: named by the group checks).
+PEERS_AS_GROUP_RANKS = ISEND_IRECV.replace(
+    "    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))",
+    "    peer = lambda r: r                      # a group rank, where P2POp takes a global one")
+PLACE_IN_THE_DEFAULT_GROUP = ISEND_IRECV.replace(
+    "    rank, world_size = dist.get_rank(group), dist.get_world_size(group)",
+    "    rank, world_size = dist.get_rank(), dist.get_world_size(group)")
+GROUP_UNUSED = ISEND_IRECV.replace(
+    "    rank, world_size, positions, send_to, receive_from = _ring_setup(q, k, group, layout)",
+    "    group = None                            # the group given is not used\n"
+    "    rank, world_size, positions, send_to, receive_from = _ring_setup(q, k, group, layout)")
+LENGTH_ON_THE_DEFAULT_GROUP = ISEND_IRECV.replace(
+    "    dist.all_reduce(length, group=group)", "    dist.all_reduce(length)")
+for _bug in (PEERS_AS_GROUP_RANKS, PLACE_IN_THE_DEFAULT_GROUP, GROUP_UNUSED, LENGTH_ON_THE_DEFAULT_GROUP):
+    assert _bug != ISEND_IRECV

@@ -162,6 +162,55 @@ def test_engine_ring_attention_on_a_subgroup():
     torch.testing.assert_close(got.double(), reference.attention(case.q, case.k, case.v), rtol=1e-4, atol=1e-4)
 
 
+def test_call_on_ranks_calls_a_group_in_its_order():
+    """group_ranks: every rank of the world makes the group in that order, its members are called with group= it,
+    in group order, and the others take no part."""
+    def who(x, group=None):
+        return [x, dist.get_rank(), dist.get_rank(group), dist.get_world_size(group)]
+    assert distributed.call_on_ranks(who, [("a",), ("b",)], group_ranks=[3, 1], world_size=4) == \
+        [["a", 3, 0, 2], ["b", 1, 1, 2]]
+    with pytest.raises(ValueError, match="distinct ranks of a world of 4"):
+        distributed.call_on_ranks(who, [("a",), ("b",)], group_ranks=[1, 1], world_size=4)
+
+
+def test_engine_ring_attention_on_other_groups():
+    """The exported ring passes the group checks: every rank of 4 in another order, and ranks 1 and 2 of 4."""
+    rc.check_ring_on_groups(engine.ring_attention)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_every_group_mistake_changes_the_output_and_pairs_up(world_size):
+    """simulate_group_ring without a mistake is the reference on a group in another order; each GROUP_MISTAKES ring
+    is a ring whose sends and receives pair up on GROUP_ORDER, and changes the output there."""
+    case = ac.make_case("sim", batch=1, q_heads=4, kv_heads=2, t=4 * world_size, d=8, seed=5)
+    order = tuple((r + 2) % world_size for r in range(world_size))
+    want = reference.attention(case.q, case.k, case.v)
+    torch.testing.assert_close(rc.simulate_group_ring(case.q, case.k, case.v, order), want, rtol=1e-10, atol=1e-10)
+    if world_size == rc.GROUP_WORLD:
+        for name, mistake in rc.GROUP_MISTAKES.items():
+            got = rc.simulate_group_ring(case.q, case.k, case.v, rc.GROUP_ORDER, **mistake)
+            assert not torch.allclose(got, want, atol=1e-4), name
+
+
+GROUP_BUGS = {"PEERS_AS_GROUP_RANKS": "the peers are given in the wrong numbering",
+              "PLACE_IN_THE_DEFAULT_GROUP": "the ring's place is the rank in the default group",
+              "GROUP_UNUSED": "group is not used",
+              "LENGTH_ON_THE_DEFAULT_GROUP": "it waits for ranks outside its group ([0, 3])"}
+
+
+@pytest.mark.parametrize("bug", list(GROUP_BUGS))
+def test_group_mistakes_are_named(bug):
+    """Rings exact on the default group that mistake group= (tests/ring_variants.py) fail the group checks, each
+    named: the three that compute another ring's answer by the answer, the default group's all_reduce by the wait
+    on a sub-group (stopped after distributed.STALL_S)."""
+    import ring_variants
+
+    with pytest.raises(AssertionError) as failure:
+        rc.check_ring_on_groups(_learner_ring(getattr(ring_variants, bug)))
+    assert GROUP_BUGS[bug] in str(failure.value), str(failure.value)
+    assert sum(name.split(":")[0] in str(failure.value) for name in rc.GROUP_MISTAKES) <= 1
+
+
 def test_position_runs():
     """A zigzag shard is two runs of consecutive positions (one when its chunks meet), a contiguous shard one."""
     assert engine.position_runs(rc.layout_positions(13, 0, 2, "zigzag")) == [(0, 0, 4), (4, 10, 3)]
@@ -316,6 +365,7 @@ def test_a_ring_runs_inside_the_grading_jail():
         uneven = ac.make_case("MHA, T = 13", batch=1, q_heads=2, kv_heads=2, t=13, d=8, seed=1)
         with pytest.raises(AssertionError, match=SHORT_BUFFER):   # what gloo said, read from the jail's log
             rc.run_ring(execute.Remote("short_buffer", session), uneven.q, uneven.k, uneven.v, 2)
+        rc.check_ring_on_groups(execute.Remote("ring_attention", session))       # group= reaches the jail's ranks
         assert session.anomalies == []
     finally:
         session.close()

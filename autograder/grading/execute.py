@@ -261,13 +261,16 @@ class Remote:
         return self.session.call(self.name, args, kwargs, address_space=kernel.start_size + allowance)
 
     def call_on_ranks(self, rank_args, *, backend: str = "gloo", timeout_s: float = 60.0, allowance: int | None = None,
-                      **kwargs):
+                      group_ranks=None, world_size: int | None = None, **kwargs):
         """flashcourse.distributed.call_on_ranks for the learner's function: the process group is started in
         the jail, rank r calls it with rank_args[r] (and only rank r receives them) and **kwargs; the ranks'
         answers, in rank order. With an allowance (bytes), each rank's peak memory is measured from outside
-        (jail.Jail.call_on_ranks) and a rank that held more fails the call."""
-        return self.session.call(self.name, tuple(tuple(a) for a in rank_args), kwargs,
-                                 ranks={"backend": backend, "timeout_s": timeout_s, "allowance": allowance})
+        (jail.Jail.call_on_ranks) and a rank that held more fails the call. With group_ranks, the group's ranks
+        of a world of world_size are called with group= it, in group order."""
+        ranks = {"backend": backend, "timeout_s": timeout_s, "allowance": allowance}
+        if group_ranks is not None:
+            ranks.update(group_ranks=[int(r) for r in group_ranks], world_size=world_size)
+        return self.session.call(self.name, tuple(tuple(a) for a in rank_args), kwargs, ranks=ranks)
 
 
 class Refused:

@@ -1,5 +1,6 @@
-"""Hidden checks for 07_ring_attention: merges, zigzag layouts and rings of 2, 3 and 4 processes, and rings of
-11 and 12 whose ranks' memory is measured from outside (ring_checks.check_ring_memory: no all_gather).
+"""Hidden checks for 07_ring_attention: merges, zigzag layouts and rings of 2, 3 and 4 processes, a ring given
+group= other than the default (ring_checks.check_ring_on_groups: a group numbered in another order, a sub-group),
+and rings of 11 and 12 whose ranks' memory is measured from outside (ring_checks.check_ring_memory: no all_gather).
 
 Rings run on real process groups (flashcourse.distributed, gloo), in the jail when grading, with a
 timeout per group (flashcourse.checks.ring_attention.RING_TIMEOUT_S) so a deadlocked ring fails instead of
@@ -59,13 +60,15 @@ def test_zigzag(zigzag_shard, zigzag_unshard) -> None:
 
 
 def test_ring_attention(ring_attention) -> None:
-    """P = 4 and 2, both layouts, causal or not, GQA, T a multiple of 2P or not, large scores."""
+    """P = 4 and 2, both layouts, causal or not, GQA, T a multiple of 2P or not, large scores; a ring given group=
+    (every rank of 4 in another order, and ranks 1 and 2 of 4); rings of 12 measured."""
     gqa = ac.make_case("GQA 8 : 2, T = 16", batch=2, q_heads=8, kv_heads=2, t=16, d=8, seed=101)
     rc.check_ring_attention(ring_attention, [gqa], world_sizes=(4,))
     uneven = ac.make_case("MHA, T = 19", batch=1, q_heads=2, kv_heads=2, t=19, d=16, seed=102)
     rc.check_ring_attention(ring_attention, [uneven], world_sizes=(2,), causal_options=(True,))
     large = ac.make_case("large scores, T = 24", batch=1, q_heads=4, kv_heads=1, t=24, d=8, seed=103, score_scale=30.0)
     rc.check_ring_attention(ring_attention, [large], world_sizes=(4,), layouts=("zigzag",), causal_options=(True,))
+    rc.check_ring_on_groups(ring_attention, seed=105)
     rc.check_ring_memory(ring_attention, world_size=12, layout="zigzag", seed=104)
 
 

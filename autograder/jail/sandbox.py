@@ -671,10 +671,22 @@ class Jail:
         process's peak at what it holds when forked, and the ranks are forked before they join the group and
         hold the most then (measured: the peak equals what they hold), so that is the peak since the arguments
         came; a rank cannot make the kernel forget its peak (its clear_refs, like its other /proc files, is root's).
+        With ranks["group_ranks"], the world has ranks["world_size"] ranks, the group's members take the arguments
+        in group order and are called with group= it (runner.py, rank_main), and the answer is theirs, in that order.
         """
+        from flashcourse import distributed
+
         ranks = request["ranks"]
         rank_args = wire.decode(request.get("args", {"list": []}), tensors)
         kwargs = wire.decode(request.get("kwargs", {"dict": []}), tensors)
+        members = ranks.get("group_ranks")   # a group of ranks["world_size"] ranks: the others take no arguments
+        if members is not None:
+            try:
+                members = distributed.check_group(members, ranks.get("world_size"), len(rank_args))
+                rank_args = [rank_args[members.index(rank)] if rank in members else ()
+                             for rank in range(int(ranks.get("world_size") or len(members)))]
+            except (TypeError, ValueError) as error:
+                return {"raised": ["ValueError", str(error)]}, {}
         world_size = len(rank_args)
         timeout_s = float(ranks.get("timeout_s", 60))
         allowance = ranks.get("allowance")
@@ -687,7 +699,7 @@ class Jail:
             kw_tensors: dict = {}
             wire.send(self.writer, {"op": "ranks", "name": request.get("name"), "world_size": world_size,
                                     "backend": str(ranks.get("backend", "gloo")), "timeout_s": timeout_s,
-                                    "kwargs": wire.encode(kwargs, kw_tensors)}, kw_tensors)
+                                    "kwargs": wire.encode(kwargs, kw_tensors), "group": members}, kw_tensors)
             if kw_tensors:
                 return {"raised": ["TypeError", "keyword arguments of a call on ranks cannot be tensors"]}, {}
             pids: dict[int, int] = {}   # rank -> pid, as this machine sees it
@@ -742,7 +754,8 @@ class Jail:
                         every=", ".join(f"{held[r] / 2**20:.0f}" for r in sorted(held)))]}, {}
             out: dict = {}
             if "value" in answer:
-                answer = {"value": wire.encode(answer["value"], out)}
+                values = answer["value"] if members is None else [answer["value"][rank] for rank in members]
+                answer = {"value": wire.encode(values, out)}
             return answer, out
         except MeasurementRefused as refused:
             return {"raised": ["AssertionError", str(refused)]}, {}

@@ -2,9 +2,10 @@
 
 Each check compares with float64 ground truth (flashcourse.checks.reference) and, when a result is wrong,
 says where (which rank, which query position) and names a classic mistake only when the learner's
-result equals what that mistake computes on the same inputs (`RING_MISTAKES`, `MERGE_MISTAKES`),
-never by reading the learner's code. Ring attention runs on P processes through
-flashcourse.distributed, so a ring that deadlocks fails after a timeout instead of hanging.
+result equals what that mistake computes on the same inputs (`RING_MISTAKES`, `MERGE_MISTAKES`, `GROUP_MISTAKES`),
+or when its ranks did what only that mistake does (a receive buffer gloo says was short, a ring that finishes on
+every rank but waits on a sub-group), never by reading the learner's code. Ring attention runs on P processes
+through flashcourse.distributed, so a ring that deadlocks fails after a timeout instead of hanging.
 """
 
 from __future__ import annotations
@@ -288,24 +289,31 @@ def _zigzag_hint(held: torch.Tensor, length: int, rank: int, world_size: int) ->
     return ""
 
 
+DEADLOCK_ADVICE = ("Every rank must start its send to (rank + 1) % P and its receive from (rank - 1) % P (isend and "
+                   "irecv, or batch_isend_irecv) before waiting on either, the same number of times on every rank")
+
+
 def run_ring(ring_attention: Callable, q, k, v, world_size: int, causal: bool = True, layout: str = "zigzag",
-             timeout_s: float = RING_TIMEOUT_S) -> list:
-    """ring_attention on every rank of a fresh group of world_size processes; the ranks' outputs."""
+             timeout_s: float = RING_TIMEOUT_S, group_ranks=None, world: int | None = None, where: str | None = None,
+             never_finished: str = DEADLOCK_ADVICE) -> list:
+    """ring_attention on every rank of a fresh group of world_size processes; the ranks' outputs. With group_ranks,
+    on the group new_group(group_ranks, sort_ranks=False) of a world of `world` ranks: group rank r is global rank
+    group_ranks[r], holds the shards of rank r and is called with group= it; the outputs in group order. A ring
+    that never finishes is said with never_finished."""
     rank_args = [tuple(shard(x, r, world_size, layout) for x in (q, k, v)) for r in range(world_size)]
-    where = f"P = {world_size}, layout={layout!r}, causal={causal}"
+    where = where or f"P = {world_size}, layout={layout!r}, causal={causal}"
+    grouped = {} if group_ranks is None else {"group_ranks": list(group_ranks), "world_size": world}
     try:
         return distributed.call_on_ranks(ring_attention, rank_args, causal=causal, layout=layout,
-                                         timeout_s=timeout_s)
+                                         timeout_s=timeout_s, **grouped)
     except RuntimeError as error:  # in grading, the jail's RanksTimedOut arrives as a RuntimeError that names it
         too_long = _buffer_too_short(str(error), [a[1] for a in rank_args], layout)
-        if too_long is not None:
+        if too_long is not None and group_ranks is None:
             raise AssertionError(f"{where}: {too_long}") from None
         if not (isinstance(error, distributed.RanksTimedOut) or str(error).startswith("RanksTimedOut")):
             raise AssertionError(f"{where}: ring_attention failed {error}") from None
         detail = str(error).removeprefix("RanksTimedOut: ")
-        raise AssertionError(f"{where}: ring_attention never finished: {detail}. Every rank must start its send to "
-                             "(rank + 1) % P and its receive from (rank - 1) % P (isend and irecv, or "
-                             "batch_isend_irecv) before waiting on either, the same number of times on every rank") from None
+        raise AssertionError(f"{where}: ring_attention never finished: {detail}. {never_finished}") from None
 
 
 def _buffer_too_short(error: str, ks: list, layout: str) -> str | None:
@@ -376,14 +384,7 @@ def check_ring_attention(ring_attention: Callable, cases, world_sizes=(2,), layo
                 for causal in causal_options:
                     where = f"{case.name} {case.shape_text}, P = {world_size}, layout={layout!r}, causal={causal}"
                     outputs = run_ring(ring_attention, q, k, v, world_size, causal, layout)
-                    assert isinstance(outputs, list) and len(outputs) == world_size and \
-                        all(isinstance(o, torch.Tensor) for o in outputs), \
-                        f"{where}: every rank should return its output shard as a tensor"
-                    for rank, out in enumerate(outputs):
-                        want_shape = (*shard(q, rank, world_size, layout).shape[:3], v.shape[-1])
-                        assert tuple(out.shape) == want_shape, \
-                            f"{where}: rank {rank} returned shape {list(out.shape)}, want {list(want_shape)} (its queries' output)"
-                        assert out.dtype == q.dtype, f"{where}: rank {rank} returned {out.dtype}, want q's dtype {q.dtype}"
+                    _check_shapes(outputs, q, v, world_size, layout, where)
                     got = unshard(outputs, layout).double()
                     want = reference.attention(q, k, v, causal=causal)
                     bad = _first_bad(got, want, rtol, atol)
@@ -412,6 +413,118 @@ def explain_ring(got, want, q, k, v, world_size, causal, layout, bad, rtol, atol
             pass
     named = _named(got, simulated, want, rtol, atol)
     return text + (f". It equals the result of this mistake: {named}" if named else "")
+
+
+# --- a ring given group= ---------------------------------------------------------------------------
+
+GROUP_WORLD = 4
+GROUP_ORDER = (2, 3, 0, 1)   # new_group(GROUP_ORDER, sort_ranks=False): group rank r is global rank (r + 2) % 4
+SUBGROUP = (1, 2)            # new_group([1, 2]) of a world of 4: ranks 0 and 3 take no part
+GROUP_MISTAKES = {
+    "the peers are given in the wrong numbering: P2POp's peer (isend's dst, irecv's src) is a global rank, "
+    "dist.get_global_rank(group, (rank + 1) % P); group_peer= takes a group rank":
+        dict(place="group", peers="as global"),
+    "the ring's place is the rank in the default group (dist.get_rank()), not in group: use dist.get_rank(group)":
+        dict(place="global", peers="global"),
+    "group is not used: the ring runs on the default group's numbering (dist.get_rank(), peers (rank +- 1) % P), so "
+    "each rank computes as another: pass group to get_rank, get_world_size, all_reduce and P2POp":
+        dict(place="global", peers="as global"),
+}
+
+
+def simulate_group_ring(q, k, v, order, causal: bool = True, layout: str = "zigzag", place: str = "group",
+                        peers: str = "global") -> torch.Tensor:
+    """The whole output [B, Hq, T, Dv] in float64 of a ring on the group of every rank whose group rank r is global
+    rank order[r] (and holds rank r's shards), as a ring computes it that takes for its place in the ring its rank
+    in the group (place="group") or in the default group ("global"), and addresses its peers, its place +- 1, as
+    global ranks of the group (peers="global", dist.get_global_rank) or as they are ("as global": a group rank
+    given where torch takes a global one). ValueError where its sends and receives do not pair up (it would wait
+    forever) or the shards' lengths rule the mistake out."""
+    world_size, length = len(order), q.shape[2]
+    group_rank = {rank: r for r, rank in enumerate(order)}
+    positions = [layout_positions(length, r, world_size, layout) for r in range(world_size)]
+    believed = [r if place == "group" else order[r] for r in range(world_size)]
+    addressed = (lambda i: order[i % world_size]) if peers == "global" else (lambda i: i % world_size)
+    receive_from = [group_rank[addressed(believed[r] - 1)] for r in range(world_size)]
+    send_to = [group_rank[addressed(believed[r] + 1)] for r in range(world_size)]
+    if any(send_to[receive_from[r]] != r for r in range(world_size)):
+        raise ValueError("this mistake's sends and receives do not pair up")
+    qs = [shard(q, r, world_size, layout) for r in range(world_size)]
+    outputs = [torch.zeros(*x.shape[:3], v.shape[-1], dtype=torch.float64) for x in qs]
+    lses = [torch.full(x.shape[:3], -math.inf, dtype=torch.float64) for x in qs]
+    held = list(range(world_size))
+    for step in range(world_size):
+        for r in range(world_size):
+            mine, label = positions[believed[r]], positions[(believed[r] - step) % world_size]
+            if causal and label.min() > mine.max():
+                continue
+            k_held, v_held = shard(k, held[r], world_size, layout), shard(v, held[r], world_size, layout)
+            if label.numel() != k_held.shape[2] or mine.numel() != qs[r].shape[2]:
+                raise ValueError("this mistake cannot happen with these shard lengths")
+            part = partial_attention(qs[r], k_held, v_held, mine, label, causal)
+            outputs[r], lses[r] = merge_reference(outputs[r], lses[r], *part)
+        held = [held[receive_from[r]] for r in range(world_size)]
+    return unshard(outputs, layout)
+
+
+def check_ring_on_groups(ring_attention: Callable, seed: int = 120) -> None:
+    """ring_attention given group=, after it is exact on the default group (check_ring_attention, P = 4): on the
+    group of every rank of 4 in another order, GROUP_ORDER (group rank r is global rank (r + 2) % 4, so no rank keeps
+    its number), and on ranks SUBGROUP = 1 and 2 of 4, where ranks 0 and 3 take no part. Zigzag, causal, shards of
+    equal length. A wrong output is named when it equals a GROUP_MISTAKES ring's; a ring that finishes on the first
+    group but not on the second waits for ranks outside its group, which is said."""
+    case = ac.make_case("GQA 4 : 2, T = 16", batch=1, q_heads=4, kv_heads=2, t=16, d=8, seed=seed)
+    q, k, v = case.q, case.k, case.v
+    rtol, atol = ac.tolerance(q.dtype)
+    check_ring_attention(ring_attention, [case], world_sizes=(GROUP_WORLD,), layouts=("zigzag",),
+                         causal_options=(True,))
+    where = (f"{case.name}, zigzag, causal, on group = dist.new_group({list(GROUP_ORDER)}, sort_ranks=False) "
+             f"(group rank r is global rank (r + 2) % {GROUP_WORLD})")
+    outputs = run_ring(ring_attention, q, k, v, GROUP_WORLD, group_ranks=GROUP_ORDER, world=GROUP_WORLD, where=where)
+    _check_shapes(outputs, q, v, GROUP_WORLD, "zigzag", where, "group rank")
+    got, want = unshard(outputs, "zigzag").double(), reference.attention(q, k, v, causal=True)
+    bad = _first_bad(got, want, rtol, atol)
+    if bad is not None:
+        t = bad[2]
+        owner = next(r for r in range(GROUP_WORLD) if t in layout_positions(q.shape[2], r, GROUP_WORLD, "zigzag").tolist())
+        simulated = {}
+        for name, mistake in GROUP_MISTAKES.items():
+            try:
+                simulated[name] = simulate_group_ring(q, k, v, GROUP_ORDER, True, "zigzag", **mistake)
+            except ValueError:
+                pass
+        named = _named(got, simulated, want, rtol, atol)
+        raise AssertionError(f"{where}: the output of the query at position {t} (group rank {owner}, global rank "
+                             f"{GROUP_ORDER[owner]}, head {bad[1]}) is {_fmt(got[bad])}, want {_fmt(want[bad])}, "
+                             "though the ring is exact on the default group" + (f": {named}" if named else ""))
+    sub = ac.make_case("MHA, T = 12", batch=1, q_heads=2, kv_heads=2, t=12, d=8, seed=seed + 1)
+    left_out = sorted(set(range(GROUP_WORLD)) - set(SUBGROUP))
+    where = (f"{sub.name}, zigzag, causal, on group = dist.new_group({list(SUBGROUP)}) of {GROUP_WORLD} ranks "
+             f"(ranks {left_out} take no part)")
+    outputs = run_ring(ring_attention, sub.q, sub.k, sub.v, len(SUBGROUP), group_ranks=SUBGROUP, world=GROUP_WORLD,
+                       where=where, never_finished=(
+                           f"It finishes on a group of every rank, so it waits for ranks outside its group ({left_out}"
+                           "), which take part in nothing: a call on the default group (all_reduce or a barrier "
+                           "without group=group, or a send to a rank outside the group); pass group=group to every "
+                           "collective and P2POp, and address peers as dist.get_global_rank(group, r)"))
+    _check_shapes(outputs, sub.q, sub.v, len(SUBGROUP), "zigzag", where, "group rank")
+    got, want = unshard(outputs, "zigzag").double(), reference.attention(sub.q, sub.k, sub.v, causal=True)
+    bad = _first_bad(got, want, *ac.tolerance(sub.q.dtype))
+    if bad is not None:
+        raise AssertionError(f"{where}: the output of the query at position {bad[2]} (head {bad[1]}) is "
+                             f"{_fmt(got[bad])}, want {_fmt(want[bad])}, though the ring is exact on a group of every "
+                             "rank: is something of the default group used (dist.get_world_size() without group)?")
+
+
+def _check_shapes(outputs, q, v, world_size: int, layout: str, where: str, rank_word: str = "rank") -> None:
+    """Every rank returned its queries' output, as a tensor of q's dtype."""
+    assert isinstance(outputs, list) and len(outputs) == world_size and \
+        all(isinstance(o, torch.Tensor) for o in outputs), f"{where}: every rank should return its output shard as a tensor"
+    for rank, out in enumerate(outputs):
+        want_shape = (*shard(q, rank, world_size, layout).shape[:3], v.shape[-1])
+        assert tuple(out.shape) == want_shape, \
+            f"{where}: {rank_word} {rank} returned shape {list(out.shape)}, want {list(want_shape)} (its queries' output)"
+        assert out.dtype == q.dtype, f"{where}: {rank_word} {rank} returned {out.dtype}, want q's dtype {q.dtype}"
 
 
 def _fmt(x) -> str:

@@ -5,13 +5,14 @@
 It reads requests from IN_FD and answers on OUT_FD, in autograder/jail/inside/wire.py's format:
     {"op": "run", "code": ...}                      -> {"outputs": [...], "error": [name, message] | None}
     {"op": "call", "name": ..., "args": ..., "kwargs": ...} -> {"value": ...} | {"raised": [name, message]}
-    {"op": "ranks", "name": ..., "world_size": P, "backend": ..., "timeout_s": ..., "kwargs": ...}: a child of
-    this process starts P ranks of a process group and waits to be killed, while this process waits for it to
-    end (ranks_call). Each rank joins the group, says {"ready": rank, "pid": ...}, then reads its own
-    arguments {"args": ...} (sent while the grader lets that rank alone run, so no other process of the
-    jail ever holds them), says {"got": rank}, calls the function and answers {"rank": ..., "value": ...}
+    {"op": "ranks", "name": ..., "world_size": P, "backend": ..., "timeout_s": ..., "kwargs": ..., "group": None |
+    [global ranks]}: a child of this process starts P ranks of a process group and waits to be killed, while this
+    process waits for it to end (ranks_call). Each rank joins the group, says {"ready": rank, "pid": ...}, then
+    reads its own arguments {"args": ...} (sent while the grader lets that rank alone run, so no other process of
+    the jail ever holds them), says {"got": rank}, calls the function and answers {"rank": ..., "value": ...}
     or {"rank": ..., "raised": [...]}, the ranks one after another, then waits to be killed: the grader
-    reads each rank's peak memory first (autograder/jail/sandbox.py, Jail.call_on_ranks).
+    reads each rank's peak memory first (autograder/jail/sandbox.py, Jail.call_on_ranks). With a group, every
+    rank makes it, and only its ranks call the function, with group= it.
     {"op": "fork"}: a child of this process answers {"forked": true}, then reads one "call" request,
     answers it and waits to be killed, while this process waits for it to end. The grader stops every
     other process of the jail and limits the child's memory from outside before it sends that request,
@@ -173,7 +174,7 @@ def ranks_call(shell, request: dict, in_fd: int, out_fd: int) -> None:
                 for rank in range(int(request.get("world_size", 1))):
                     context.Process(target=rank_main, daemon=True, args=(
                         function, rank, int(request["world_size"]), kwargs, str(request.get("backend", "gloo")),
-                        store, float(request.get("timeout_s", 60)), in_fd, out_fd)).start()
+                        store, float(request.get("timeout_s", 60)), in_fd, out_fd, request.get("group"))).start()
             while True:
                 signal.pause()
         except BaseException as error:
@@ -184,8 +185,10 @@ def ranks_call(shell, request: dict, in_fd: int, out_fd: int) -> None:
 
 
 def rank_main(function, rank: int, world_size: int, kwargs: dict, backend: str, store_path: str, timeout_s: float,
-              in_fd: int, out_fd: int) -> None:
-    """One rank: join the group, read this rank's arguments, call, answer in turn, wait to be killed."""
+              in_fd: int, out_fd: int, group_ranks: list | None = None) -> None:
+    """One rank: join the group, read this rank's arguments, call, answer in turn, wait to be killed. With
+    group_ranks, every rank makes that group (numbered in that order) and a group of all ranks for the answers'
+    turns, and only the group's members call the function, with group= it; the others answer None."""
     import torch
     import torch.distributed as dist
     from flashcourse import distributed
@@ -199,24 +202,31 @@ def rank_main(function, rank: int, world_size: int, kwargs: dict, backend: str, 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
                                 world_size=world_size, timeout=distributed.group_timeout(timeout_s))
+        group = turns = None
+        if group_ranks is not None:
+            group = dist.new_group(list(group_ranks), sort_ranks=False)
+            turns = dist.new_group(list(range(world_size)))   # the answers' turns: not the default group's collectives
         wire.send(out_fd, {"ready": rank, "pid": os.getpid()})
         request, tensors = wire.receive(in_fd)
         args = wire.decode(request.get("args", {"list": []}), tensors)
         del request, tensors
         wire.send(out_fd, {"got": rank})
         try:
-            value = function(*args, **kwargs)
+            if group_ranks is None:
+                value = function(*args, **kwargs)
+            else:
+                value = function(*args, group=group, **kwargs) if rank in group_ranks else None
         except Exception as error:
             wire.send(out_fd, {"rank": rank, "raised": [type(error).__name__, str(error)[:1500]]})
             raise SystemExit from None
         del args
         out: dict = {}
         answer = {"rank": rank, "value": wire.encode(value, out)}
-        dist.barrier()                      # every rank has its answer: they are sent one after another
+        dist.barrier(turns)                 # every rank has its answer: they are sent one after another
         for turn in range(world_size):
             if turn == rank:
                 wire.send(out_fd, answer, out)
-            dist.barrier()
+            dist.barrier(turns)
     except SystemExit:
         pass
     except BaseException as error:  # noqa: BLE001
