@@ -257,6 +257,8 @@ RING_CASES = {  # student -> (notebook, expected points): 07's ring points need 
                                       _without(RING, *RING_CELLS)),
     "ring_all_gather_forgets_its_peak": (_replacing(RING, "ring_attention", ring_variants.ALL_GATHER_FORGETS_ITS_PEAK),
                                          _without(RING, *RING_CELLS)),
+    "ring_peers_as_group_ranks": (_replacing(RING, "ring_attention", ring_variants.PEERS_AS_GROUP_RANKS),
+                                  _without(RING, "test_ring_attention")),   # exact on the default group only
     "ring_isend_irecv": (_replacing(RING, "ring_attention", ring_variants.ISEND_IRECV), EXPECTED[RING]["alt_correct"]),
     "ring_sendrecv_parity": (_replacing(RING, "ring_attention", ring_variants.SENDRECV_PARITY),
                              EXPECTED[RING]["alt_correct"]),
@@ -278,10 +280,12 @@ def test_ring_points_need_a_ring(graded_rings, student):
 
 
 def test_the_ring_feedback_says_why(graded_rings):
-    """all_gather's feedback says a rank held more than a ring needs."""
+    """all_gather's feedback says a rank held more than a ring needs; a ring given group ranks as peers is told so."""
     _, out = graded_rings
     page = next((out / "feedback" / "ring_all_gather").rglob("*.html")).read_text()
     assert "more than a ring" in page and "needs" in page
+    page = next((out / "feedback" / "ring_peers_as_group_ranks").rglob("*.html")).read_text()
+    assert "the peers are given in the wrong numbering" in page
 
 
 def test_auto_grades_only_the_kernel_assignments_on_a_gpu(monkeypatch):
