@@ -77,7 +77,7 @@ def test_fast_attention_lse_long(causal, offset):
     """T = 2000 over S = 3001 (GQA 4, D = 128, bf16, autotuned): o within 2e-2 of FP32, lse (FP32, natural log)
     within 1e-2 of 06's flash_attention_lse; with offset -100 the first 100 rows see no key: o = 0, lse = -inf."""
     from flashcourse.bench.fast import _inputs
-    from flashcourse.backward import flash_attention_lse
+    from flashcourse.engine.backward import flash_attention_lse
 
     q, k, v = _inputs(2, 8, 2, 2000, 3001, 128, torch.bfloat16)
     o, lse = fast_attention_lse(q, k, v, query_offset=offset, causal=causal)
