@@ -7,6 +7,8 @@
 #   make lab     open the learner's JupyterLab on notebooks/ (nbgrader's instructor tools switched off)
 #   make instructor-lab   open JupyterLab on the course root, with nbgrader's formgrader and Create Assignment
 #   make grade SUBMISSIONS=dir   grade a folder laid out as submitted/<student>/<assignment>/
+#   make wheel   build dist/flashcourse-<version>-py3-none-any.whl, which a notebook's set-up cell installs on
+#                Colab when it is uploaded beside the notebook (no repository needed)
 
 PYTHON ?= python3
 VENV := .venv
@@ -22,7 +24,7 @@ LEARNER_LAB := JUPYTER_CONFIG_PATH=$(CURDIR)/jupyter/learner
 # Jupyter refuses to run as root unless told to; in a container root is often the only user there is.
 AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: install demo test build lab instructor-lab grade clean
+.PHONY: install demo test build lab instructor-lab grade wheel clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,5 +54,8 @@ instructor-lab: $(BIN)/.installed
 grade: $(BIN)/.installed
 	$(BIN)/python -m autograder grade $(SUBMISSIONS)
 
+wheel: $(BIN)/.installed
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
+
 clean:
-	rm -rf build gradebook.db autograded feedback
+	rm -rf build gradebook.db autograded feedback dist

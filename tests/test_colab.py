@@ -31,13 +31,16 @@ def _notebooks(assignment):
 
 
 def test_setup_cell_installs_the_release_from_the_repository():
-    """The set-up cell pip-installs [project.urls] Repository at the tag of pyproject's version, on Colab only."""
+    """The set-up cell pip-installs [project.urls] Repository at the tag of pyproject's version, on Colab only, or the
+    release's wheel where one was uploaded beside the notebook."""
     repository = PROJECT["urls"]["Repository"]
     assert re.fullmatch(r"https://\S+", repository), f"[project.urls] Repository is not an https URL: {repository!r}"
     requirement = f"{PROJECT['name']} @ git+{repository.rstrip('/')}@v{PROJECT['version']}"
     assert build.course_requirement() == requirement
     cell = build.setup_cell_source()
-    assert f'    %pip install -q "{requirement}"' in cell.splitlines()
+    assert f'    course = wheels[-1] if wheels else "{requirement}"' in cell.splitlines()
+    assert f'    wheels = sorted(glob.glob("flashcourse-{PROJECT["version"]}-*.whl"))' in cell.splitlines()
+    assert '    %pip install -q "$course"' in cell.splitlines()
     assert cell.index('if "google.colab" in sys.modules:') < cell.index("%pip") < cell.index("runtime.setup()")
 
 
@@ -65,7 +68,8 @@ def test_a_fork_changes_one_place(tmp_path, monkeypatch):
     assert build.write_setup_cell(assignment) and not build.write_setup_cell(assignment)
     cell = build.setup_cell(nbformat.read(build.source_notebook(assignment), as_version=4), assignment)
     assert cell.source == build.setup_cell_source()
-    assert '%pip install -q "flashcourse @ git+https://example.org/a-fork/course@v2.1.0"' in cell.source
+    assert 'else "flashcourse @ git+https://example.org/a-fork/course@v2.1.0"' in cell.source
+    assert 'glob.glob("flashcourse-2.1.0-*.whl")' in cell.source
 
 
 def test_a_regenerated_setup_cell_keeps_its_outputs(tmp_path, monkeypatch):
@@ -245,3 +249,47 @@ def test_a_notebook_runs_on_colab(assignment, colab_parts, tmp_path, monkeypatch
     assert report["colab"] and report["widget_manager"] == [True], "runtime.setup() did not see Colab"
     assert all(Path(p).is_file() and Path(p).resolve().is_relative_to(installed) for p in report["measured"]), \
         f"the installed package lacks its measurements (package data): {report['measured']}"
+
+
+def _setup_on_colab(tmp_path, monkeypatch, colab_parts, upload: bool) -> nbformat.NotebookNode:
+    """The set-up cell run on a simulated Colab whose repository cannot be reached (an install that fails), with
+    the course's wheel uploaded beside the notebook or not; then a cell that says where flashcourse came from."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    preinstalled, wheel = colab_parts
+    env = _colab_runtime(tmp_path, preinstalled)
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join([str(tmp_path / "jupyter"), os.environ.get("JUPYTER_PATH", "")]))
+    content = tmp_path / "content"
+    content.mkdir()
+    if upload:
+        shutil.copy(wheel, content / wheel.name)
+    unreachable = f"flashcourse @ file://{tmp_path}/no-such-repository"
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(build.setup_cell_source().replace(build.course_requirement(), unreachable)),
+        nbformat.v4.new_code_cell("import flashcourse\nprint(flashcourse.__file__)")])
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="colab", resources={"metadata": {"path": str(content)}}).execute(env=env)
+    except CellExecutionError:
+        pass  # the cells' outputs say what happened
+    return nb
+
+
+@pytest.mark.slow
+def test_colab_installs_an_uploaded_wheel_when_the_repository_cannot_be_reached(colab_parts, tmp_path, monkeypatch):
+    """With the release's wheel uploaded beside the notebook, the set-up cell installs it, and the repository is
+    never needed: the package is imported from the runtime's own site-packages."""
+    nb = _setup_on_colab(tmp_path, monkeypatch, colab_parts, upload=True)
+    printed = nb.cells[-1].outputs[-1]["text"].strip()
+    assert Path(printed).resolve().is_relative_to((tmp_path / "venv" / "lib").resolve()), printed
+
+
+@pytest.mark.slow
+def test_colab_says_what_to_do_when_nothing_installs(colab_parts, tmp_path, monkeypatch):
+    """With no wheel and no repository, the set-up cell stops with a message that says how to go on (upload the
+    release's wheel), not with a bare ModuleNotFoundError."""
+    nb = _setup_on_colab(tmp_path, monkeypatch, colab_parts, upload=False)
+    error = next(o for o in nb.cells[0].outputs if o["output_type"] == "error")
+    version = PROJECT["version"]
+    assert error["ename"] == "ModuleNotFoundError" and f"flashcourse-{version}-py3-none-any.whl" in error["evalue"]
+    assert "make wheel" in error["evalue"]

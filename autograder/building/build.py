@@ -66,12 +66,23 @@ SETUP_CELL = """\
 # Set-up: run this cell first. On Colab it installs the course's package, release {version}, the one this
 # notebook belongs to; everywhere it decides between a GPU (compiled Triton kernels) and the CPU
 # (Triton's interpreter) and says which.
+import glob
 import sys
 
 if "google.colab" in sys.modules:
-    %pip install -q "{requirement}"
+    # The course's wheel, if you uploaded it beside the notebook, or else the release from its repository.
+    wheels = sorted(glob.glob("flashcourse-{version}-*.whl"))
+    course = wheels[-1] if wheels else "{requirement}"
+    %pip install -q "$course"
 
-from flashcourse import runtime
+try:
+    from flashcourse import runtime
+except ModuleNotFoundError:
+    raise ModuleNotFoundError(
+        "The course's package (flashcourse) is not installed: the install above failed, its message says why. "
+        "Run this cell again once the network is back, or upload the course's wheel, "
+        "flashcourse-{version}-py3-none-any.whl (your instructor's, or `make wheel` in the course's repository), "
+        "with the Files panel on the left, and run this cell again.") from None
 
 rt = runtime.setup()"""
 
