@@ -61,6 +61,8 @@ BACKWARD_MUTATIONS = {
     "no_causal_backward": [(P_LINE, "p = torch.exp(scores - ref)")],
     "gqa_last_head": [(DK_LINE, "dk[:, :, start:stop] = scale * (ds.transpose(-2, -1) @ q5)[:, :, -1]"),
                       (DV_LINE, "dv[:, :, start:stop] = (p.transpose(-2, -1) @ do5)[:, :, -1]")],
+    "dk_delta_missing": [(DK_LINE, "dk[:, :, start:stop] = scale * ((p * dp).transpose(-2, -1) @ q5).sum(2)")],
+    "dq_delta_missing": [(DQ_LINE, "dq += scale * (p * dp) @ k_tile")],
 }
 
 

@@ -22,18 +22,32 @@ classic mistake, and the message names the mistake only when the answer matches 
     dq_scale_twice, dk_scale_twice, dq_dk_scale_twice         the scale applied twice
     no_causal_backward   the causal mask left out when P is rebuilt
     gqa_last_head        dk, dv written per query head, so the last head of each group wins
+    dk_delta_missing, dq_delta_missing                         Delta left out of one gradient only
+    dq_heads_modulo, dkdv_heads_modulo                         query head h paired with KV head h % Hkv
+    dq_heads_no_batch, dkdv_heads_no_batch                     the batch left out of a kernel's head index
 
 and, for the saved lse: lse_is_max (m saved, without log l), lse_base2 (log2 instead of ln), lse_log_l
-(log l without m). NaN gradients on rows that see no key are named as exp(-inf - -inf). One mistake
-belongs to the Triton dK/dV kernel, whose causal loop walks the query blocks backwards: a loop that starts
-one query block late (`dkdv_start_variant`, tried for the usual block sizes) drops from dK and dV the
-queries of the first query block that sees each key block; dQ stays right.
+(log l without m). NaN gradients on rows that see no key are named as exp(-inf - -inf). Each variant is
+`gradient_formulas` with one of its arguments changed (BUG_FORMULAS); it computes dQ apart from dK and dV, as
+the two Triton kernels do, so a mistake can sit in one of them only. Some mistakes belong to the Triton
+kernels' loops and depend on their blocks: a dK/dV loop that starts one query block late
+(`dkdv_start_variant`) drops from dK and dV the queries of the first query block that sees each key block, and
+a kernel whose diagonal tiles are not masked counts the pairs it visits past the diagonal (`visited_pairs`);
+each is tried for the case's blocks, or for every pair of KERNEL_BLOCKS, and named with the blocks that give it.
 
-A training step (forward through autograd, then loss.backward()) is checked by `check_train_step`.
+A training step (forward through autograd, then loss.backward()) is checked by `check_train_step`. The Triton
+kernels of 06's Exercise 3 are checked one at a time, each given exact inputs (`kernel_inputs`), so a mistake
+in one never shows in another, against its own mistakes (DELTA_BUGS, DKDV_BUGS, DQ_BUGS and the block-dependent
+ones), with causal=False and explicit blocks as the case's keyword arguments say:
+
+    delta = backward_delta(o, do, **kwargs)                      check_delta
+    dk, dv = backward_dkdv(q, k, v, do, lse, delta, **kwargs)    check_dkdv
+    dq = backward_dq(q, k, v, do, lse, delta, **kwargs)          check_dq (check_dq_repeated names a race)
 
     from flashcourse.checks import core as ac, backward as bc
     bc.check_forward_lse(online_attention_lse, [c.with_kwargs(tile=4) for c in ac.standard_cases()])
     bc.check_backward(attention_backward, ac.standard_cases())
+    bc.check_dkdv(backward_dkdv, [ac.make_case("GQA", batch=2, q_heads=4, kv_heads=2, t=37, blocks=(16, 32))])
 
 References: Dao et al. (2022), FlashAttention, appendix B (the backward pass); Dao (2023),
 FlashAttention-2, section 3.1.
@@ -41,9 +55,9 @@ FlashAttention-2, section 3.1.
 
 from __future__ import annotations
 
-import itertools
 import math
 import zlib
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import torch
@@ -77,6 +91,15 @@ BACKWARD_BUGS = {
                           "the query may not see",
     "gqa_last_head": "dK and dV were written per query head, so the last query head of each group overwrote the "
                      "others: sum them over the query heads that share the KV head",
+    "dk_delta_missing": "Delta was left out of dK only: its dS = P * dP, where dQ's is P * (dP - Delta)",
+    "dq_delta_missing": "Delta was left out of dQ only: its dS = P * dP, where dK's is P * (dP - Delta)",
+    "dq_heads_modulo": "dQ of query head h read KV head h % Hkv: with Hq/Hkv = g it reads KV head h // g",
+    "dkdv_heads_modulo": "dK and dV of KV head j summed query heads j, j + Hkv, ...: with Hq/Hkv = g they are "
+                         "j*g .. j*g + g - 1 (query head h reads KV head h // g)",
+    "dq_heads_no_batch": "dQ read the keys and values of batch 0 in every batch: the KV head index leaves out the "
+                         "batch",
+    "dkdv_heads_no_batch": "dK and dV summed the query rows of batch 0 in every batch: the query head index leaves out "
+                           "the batch",
 }
 LSE_BUGS = {
     "lse_is_max": "the saved lse is the row maximum m: the log-sum-exp is m + log(l)",
@@ -137,6 +160,106 @@ def reference_gradients(case: Case, do: torch.Tensor) -> tuple[torch.Tensor, tor
     return dq, dk, dv
 
 
+# How each mistake of BACKWARD_BUGS changes the formulas: gradient_formulas' arguments.
+BUG_FORMULAS = {
+    "delta_missing": dict(delta_dq="zero", delta_dk="zero"),
+    "dk_delta_missing": dict(delta_dk="zero"),
+    "dq_delta_missing": dict(delta_dq="zero"),
+    "delta_from_do": dict(delta_dq="rowsum_do", delta_dk="rowsum_do"),
+    "delta_from_o": dict(delta_dq="rowsum_o", delta_dk="rowsum_o"),
+    "p_from_max": dict(p_from="row_max"),
+    "lse_read_as_base2": dict(p_from="lse_as_base2"),
+    "base2_lse_with_exp": dict(p_from="base2_with_exp"),
+    "dq_no_scale": dict(dq_scale=0),
+    "dk_no_scale": dict(dk_scale=0),
+    "dq_dk_no_scale": dict(dq_scale=0, dk_scale=0),
+    "dq_scale_twice": dict(dq_scale=2),
+    "dk_scale_twice": dict(dk_scale=2),
+    "dq_dk_scale_twice": dict(dq_scale=2, dk_scale=2),
+    "no_causal_backward": dict(dq_pairs="all", kv_pairs="all"),
+    "gqa_last_head": dict(last_head_only=True),
+    "dq_heads_modulo": dict(dq_reads="modulo"),
+    "dkdv_heads_modulo": dict(kv_reads="modulo"),
+    "dq_heads_no_batch": dict(dq_reads="no_batch"),
+    "dkdv_heads_no_batch": dict(kv_reads="no_batch"),
+}
+
+
+def _read_maps(b: int, hq: int, hkv: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Ways of pairing query heads with KV heads, as (dq_reads [B * Hq], kv_reads [B * Hkv, group]): the flat
+    (batch, KV head) row of k and v that each query head's dQ reads, and the flat (batch, query head) rows of q,
+    do, lse and Δ that each KV head's dK and dV sum. "right": h // group; "modulo": h % Hkv (KV head j sums
+    j, j + Hkv, ...); "no_batch": the batch left out of the index (batch 0's rows everywhere)."""
+    group = hq // hkv
+    batch, heads, kv, slot = torch.arange(b)[:, None], torch.arange(hq)[None, :], torch.arange(hkv), torch.arange(group)
+    return {
+        "right": ((batch * hkv + heads // group).reshape(-1),
+                  ((batch * hkv + kv[None, :])[..., None] * group + slot).reshape(-1, group)),
+        "modulo": ((batch * hkv + heads % hkv).reshape(-1),
+                   (batch[..., None] * hq + slot[None, None, :] * hkv + kv[None, :, None]).reshape(-1, group)),
+        "no_batch": ((heads // group).expand(b, hq).reshape(-1),
+                     (kv[:, None] * group + slot).expand(b, hkv, group).reshape(-1, group)),
+    }
+
+
+def gradient_formulas(case: Case, do: torch.Tensor, *, p_from: str = "lse", delta_dq: str = "exact",
+                      delta_dk: str = "exact", dq_scale: int = 1, dk_scale: int = 1, dq_pairs=None, kv_pairs=None,
+                      dq_reads: str = "right", kv_reads: str = "right", last_head_only: bool = False):
+    """float64 (dq, dk, dv) from the backward formulas, each argument one way of getting a part of them wrong;
+    the defaults are the right ways. The forward is always right: o and lse exact. dQ and dK/dV are computed
+    apart, as the two kernels do, so a mistake can be on one side only.
+
+    p_from           how P is rebuilt: "lse" exp(S - L); "row_max" exp(S - m); "lse_as_base2" exp2(S log2 e - L);
+                     "base2_with_exp" exp(S - L log2 e)
+    delta_dq, delta_dk  the Δ that dS = P (dP - Δ) subtracts on the dQ side, on the dK side: "exact"
+                     rowsum(dO O), "zero", "rowsum_do", "rowsum_o"
+    dq_scale, dk_scale  the power of the scale 1/sqrt(D) in dQ = scale dS K and dK = scale dS^T Q: 1, 0 or 2
+    dq_pairs, kv_pairs  the (query, key) pairs whose P counts on each side, [B, 1, T, S] booleans: None the visible
+                     ones, "all" every pair
+    dq_reads, kv_reads  how query heads and KV heads are paired on each side (_read_maps): "right", "modulo",
+                     "no_batch"
+    last_head_only   dK and dV keep the last query head of each group alone (written, not summed)
+    """
+    cpu = case.to("cpu")
+    q, k, v = (x.double() for x in (cpu.q, cpu.k, cpu.v))
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    do = do.detach().cpu().double()
+    o, lse = reference_forward(cpu)                                     # [B, Hq, T, Dv], [B, Hq, T]
+    scores, _, mask = ac._scores_and_mask(cpu)                          # [B, Hq, T, S], -, [B, 1, T, S]
+    seen = torch.isfinite(lse)                                          # [B, Hq, T]: rows that see a key
+    ref = {"lse": lse, "lse_as_base2": lse * LN2, "base2_with_exp": lse * LOG2E,
+           "row_max": scores.masked_fill(~mask, -math.inf).amax(-1)}[p_from]
+    ref = torch.where(seen, ref, torch.zeros_like(ref))
+    deltas = {"exact": (do * o).sum(-1), "zero": torch.zeros_like(lse), "rowsum_do": do.sum(-1), "rowsum_o": o.sum(-1)}
+    flat = lambda x: x.reshape(b * hq, t, *x.shape[3:])                 # noqa: E731  [B * Hq, T, ...]
+    qf, dof, reff, seenf = flat(q), flat(do), flat(ref), flat(seen)
+    kf, vf = k.reshape(b * hkv, s, d), v.reshape(b * hkv, s, -1)
+    pairs = {None: mask, "all": torch.ones_like(mask)}
+    dq_mask = (pairs[dq_pairs] if dq_pairs is None or isinstance(dq_pairs, str) else dq_pairs)[:, 0]   # [B, T, S]
+    kv_mask = (pairs[kv_pairs] if kv_pairs is None or isinstance(kv_pairs, str) else kv_pairs)[:, 0]
+    dq_rows, kv_rows = _read_maps(b, hq, hkv)[dq_reads][0], _read_maps(b, hq, hkv)[kv_reads][1]
+
+    def side(qs, dos, refs, seens, deltas_, ks, vs, visible):
+        """P and dS of queries qs [.., T, D] against keys ks [.., S, D]."""
+        p = torch.exp(qs @ ks.transpose(-2, -1) * scale - refs[..., None]).masked_fill(~visible, 0.0)
+        p = p * seens[..., None]                                        # a row that sees no key: P = 0
+        return p, p * (dos @ vs.transpose(-2, -1) - deltas_[..., None])
+
+    keys, values = kf[dq_rows], vf[dq_rows]                             # [B * Hq, S, D]: what each query head reads
+    _, ds = side(qf, dof, reff, seenf, flat(deltas[delta_dq]), keys, values, dq_mask.repeat_interleave(hq, 0))
+    dq = (scale ** dq_scale * ds @ keys).reshape(q.shape)
+    rows = (qf[kv_rows], dof[kv_rows], reff[kv_rows], seenf[kv_rows], flat(deltas[delta_dk])[kv_rows])  # [B*Hkv, g, T..]
+    p, ds = side(*rows, kf[:, None], vf[:, None], kv_mask.repeat_interleave(hkv, 0)[:, None])
+    dk_heads = (scale ** dk_scale * ds.transpose(-2, -1) @ rows[0]).reshape(b, hkv, group, s, d)
+    dv_heads = (p.transpose(-2, -1) @ rows[1]).reshape(b, hkv, group, s, -1)
+    if last_head_only:
+        return dq, dk_heads[:, :, -1], dv_heads[:, :, -1]
+    return dq, dk_heads.sum(2), dv_heads.sum(2)
+
+
 def backward_variant(case: Case, do: torch.Tensor, bug: str | None = None, kv_dropped: torch.Tensor | None = None):
     """float64 (dq, dk, dv) from the backward formulas, with one of BACKWARD_BUGS injected (or none).
 
@@ -146,43 +269,11 @@ def backward_variant(case: Case, do: torch.Tensor, bug: str | None = None, kv_dr
     """
     if bug is not None and bug not in BACKWARD_BUGS:
         raise ValueError(f"unknown backward bug {bug!r}; choose one of {tuple(BACKWARD_BUGS)}")
-    cpu = case.to("cpu")
-    q, k = cpu.q.double(), cpu.k.double()
-    b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    group = hq // hkv
-    scale = 1.0 / math.sqrt(d)
-    scores, v, mask = ac._scores_and_mask(cpu)                        # [B, Hq, T, S], [B, Hq, S, Dv], [B, 1, T, S]
-    do = do.detach().cpu().double()
-    o, lse = reference_forward(cpu)
-    seen = torch.isfinite(lse)[..., None]                             # [B, Hq, T, 1]
-    lse = torch.where(seen, lse[..., None], torch.zeros_like(o[..., :1]))
-    visible = mask if bug != "no_causal_backward" else torch.ones_like(mask)
-    if bug == "p_from_max":
-        row_max = scores.masked_fill(~mask, -math.inf).amax(-1, keepdim=True)
-        lse = torch.where(seen, row_max, torch.zeros_like(row_max))
-    elif bug == "lse_read_as_base2":
-        lse = lse * LN2
-    elif bug == "base2_lse_with_exp":
-        lse = lse * LOG2E
-    p = torch.exp(scores - lse).masked_fill(~visible, 0.0) * seen     # [B, Hq, T, S]
-    delta = {"delta_missing": torch.zeros_like(lse), "delta_from_do": do.sum(-1, keepdim=True),
-             "delta_from_o": o.sum(-1, keepdim=True)}.get(bug, (do * o).sum(-1, keepdim=True))
-    dp = do @ v.transpose(-2, -1)                                     # [B, Hq, T, S]
-    ds = p * (dp - delta)
-    q_scale = {"dq_no_scale": 1.0, "dq_dk_no_scale": 1.0, "dq_scale_twice": scale**2,
-               "dq_dk_scale_twice": scale**2}.get(bug, scale)
-    k_scale = {"dk_no_scale": 1.0, "dq_dk_no_scale": 1.0, "dk_scale_twice": scale**2,
-               "dq_dk_scale_twice": scale**2}.get(bug, scale)
-    heads = torch.arange(hq) // group
-    dq = q_scale * ds @ k[:, heads]                                   # [B, Hq, T, D]
+    formulas = dict(BUG_FORMULAS.get(bug, {}))
     if kv_dropped is not None:
-        p, ds = p.masked_fill(kv_dropped, 0.0), ds.masked_fill(kv_dropped, 0.0)
-    dk_heads = (k_scale * ds.transpose(-2, -1) @ q).reshape(b, hkv, group, s, d)
-    dv_heads = (p.transpose(-2, -1) @ do).reshape(b, hkv, group, s, -1)
-    if bug == "gqa_last_head":
-        return dq, dk_heads[:, :, -1], dv_heads[:, :, -1]
-    return dq, dk_heads.sum(2), dv_heads.sum(2)
+        _, _, mask = ac._scores_and_mask(case.to("cpu"))
+        formulas["kv_pairs"] = mask & ~kv_dropped
+    return gradient_formulas(case, do, **formulas)
 
 
 def lse_variant(case: Case, bug: str) -> torch.Tensor:
@@ -341,7 +432,8 @@ def explain_gradients(result, case: Case, do: torch.Tensor, what: str = "backwar
                 return f"{where}: NaN in {name}, from the rows that see no key. This is what happens when {NAN_HINT}."
             return (f"{where}: NaN in {name}" + (", although every query row sees a key" if not bool(empty.any())
                                                  else "") + ": look for inf - inf or 0 / 0 (is P rebuilt as "
-                    "exp(S - lse) only for visible keys?)")
+                    "exp(S - lse) only for visible keys? In a kernel, rows past T load lse = -inf as well: they need "
+                    "P = 0 too)")
     rtol, atol = ac.tolerance(case.q.dtype)
     wrong = [(name, g, w) for name, g, w in zip(GRADIENTS, got, want) if _first_wrong(g, w, rtol, atol)]
     if not wrong:
@@ -357,10 +449,13 @@ def explain_gradients(result, case: Case, do: torch.Tensor, what: str = "backwar
     bugs = matching_bugs(got, case, do, want, rtol, atol)
     if bugs:
         return f"{message} This is exactly what happens when " + ", or when ".join(BACKWARD_BUGS[b] for b in bugs) + "."
-    blocks = _start_late_blocks(got, case, do, rtol, atol) if wrong[0][0] != "dq" else []
-    if blocks:  # on one case several block sizes can drop the same rows: all of them are named
-        sizes = " or ".join(f"({m}, {n})" for m, n in blocks)
-        return (f"{message} This is exactly what happens (with (BLOCK_M, BLOCK_N) = {sizes}) when {START_LATE}.")
+    # A kernel's loop bounds or diagonal mask wrong: one side only (dQ's kernel, or dK/dV's), for some blocks.
+    wrong_names = {n for n, _, _ in wrong}
+    side = "dq" if wrong_names == {"dq"} else "dkdv" if "dq" not in wrong_names else None
+    named = _named(got[:1] if side == "dq" else got[1:], case, do, want[:1] if side == "dq" else want[1:], side,
+                   rtol, atol, blocks_only=True) if side else []
+    if named:
+        return f"{message} This is exactly what happens when " + ", or when ".join(named) + "."
     return message + (" Check Delta = rowsum(dO * O), P = exp(S - lse) on visible keys only, the scale in dQ and "
                       "dK, and that dK and dV sum over the query heads of each KV head.")
 
@@ -406,16 +501,308 @@ def dkdv_start_variant(case: Case, do: torch.Tensor, block_m: int, block_n: int,
     return backward_variant(case, do, kv_dropped=dropped)
 
 
-def _start_late_blocks(got, case: Case, do: torch.Tensor, rtol: float, atol: float) -> list[tuple[int, int]]:
-    """Every (BLOCK_M, BLOCK_N) whose start-late dK/dV (either way of starting late) `got` equals."""
-    found = []
-    for (block_m, block_n), rounded_up in itertools.product(KERNEL_BLOCKS, (False, True)):
-        if (block_m, block_n) in found:
+# --- Exercise 3 part by part: each kernel alone (Δ; dK and dV; dQ), its mistakes named ---
+#
+# The launchers of the parts take what the kernel before them would give, exact: o and do for Δ; q, k, v, do,
+# lse and Δ for dK/dV and for dQ. So each part is checked alone, and a mistake in one never shows in another.
+#
+#     delta = backward_delta(o, do, **kwargs)                                      # [B, Hq, T] FP32
+#     dk, dv = backward_dkdv(q, k, v, do, lse, delta, **kwargs)                    # like k, v
+#     dq = backward_dq(q, k, v, do, lse, delta, **kwargs)                          # like q
+#
+# kwargs come from the case: query_offset (queries at offset + i), causal (False: every query sees every key),
+# blocks ((BLOCK_M, BLOCK_N) to launch, or the launcher's own choice), block_m (Δ's rows per program).
+
+DELTA_BUGS = {
+    "rowsum_do": "Δ was computed as rowsum(dO) instead of rowsum(dO ∘ O): multiply the row's O and dO elementwise "
+                 "before the sum over D",
+    "rowsum_o": "Δ was computed as rowsum(O) instead of rowsum(dO ∘ O): multiply the row's O and dO elementwise "
+                "before the sum over D",
+    "store_unmasked": "the store of Δ is not masked: the last block of a (batch, head) runs past T, and its padding "
+                      "rows (Δ = 0) were written over the first rows of the next head; store with mask=rows < T",
+}
+DKDV_BUGS = {
+    "dk_delta_missing": "Δ was left out of dK: dS = P ∘ (dP − Δ), with Δ = rowsum(dO ∘ O) of each query row (the "
+                        "tile's delta), not dS = P ∘ dP (dV = Pᵀ dO needs no Δ, which is why dv is right)",
+    "lse_read_as_base2": BACKWARD_BUGS["lse_read_as_base2"],
+    "base2_lse_with_exp": BACKWARD_BUGS["base2_lse_with_exp"],
+    "dk_no_scale": BACKWARD_BUGS["dk_no_scale"],
+    "dk_scale_twice": BACKWARD_BUGS["dk_scale_twice"],
+    "no_causal_backward": "the causal mask was left out of dK and dV: every query tile from query 0 on counted every "
+                          "key of the block, also the keys after the query",
+    "gqa_last_head": BACKWARD_BUGS["gqa_last_head"],
+    "dkdv_heads_modulo": "the query heads summed into a KV head are wrong: with Hq/Hkv = g, query head h reads KV head "
+                         "h // g, so KV head j sums query heads j·g … j·g + g − 1 (bh = (b·Hkv + j)·g + i for the "
+                         "i-th), not j, j + Hkv, j + 2·Hkv, … (h % Hkv = j)",
+    "dkdv_heads_no_batch": "the (batch, query head) index bh leaves out the batch: the query rows of batch 0 were "
+                           "summed into the keys of every batch (bh = (b·Hkv + kv_h)·g + i)",
+}
+DQ_BUGS = {
+    "dq_delta_missing": "Δ was left out of dQ: dS = P ∘ (dP − Δ), with Δ = rowsum(dO ∘ O) of each query row (the "
+                        "program's delta), not dS = P ∘ dP",
+    "lse_read_as_base2": BACKWARD_BUGS["lse_read_as_base2"],
+    "base2_lse_with_exp": BACKWARD_BUGS["base2_lse_with_exp"],
+    "dq_no_scale": BACKWARD_BUGS["dq_no_scale"],
+    "dq_scale_twice": BACKWARD_BUGS["dq_scale_twice"],
+    "no_causal_backward": "the causal mask was left out of dQ: every key of every tile counted, also the keys after "
+                          "the query",
+    "dq_heads_modulo": "the KV head index of program bh is wrong: with Hq/Hkv = g, query head h reads KV head h // g, "
+                       "not h % Hkv",
+    "dq_heads_no_batch": "the (batch, KV head) index leaves out the batch: every batch read the keys and values of "
+                         "batch 0 (bkv = b·Hkv + h // g)",
+}
+# Mistakes whose gradients depend on the kernel's blocks: tried for the case's blocks, or every KERNEL_BLOCKS pair.
+DKDV_DIAGONAL = ("the diagonal of dK and dV is not masked: the query tiles that hold queries placed before some of "
+                 "the block's keys counted those keys too (those tiles need MASKED=True: Pᵀ = 0 where key > query "
+                 "position)")
+DQ_DIAGONAL = ("the diagonal block of dQ is not masked: keys after the query were counted (the key tiles from the one "
+               "holding the block's first query position on need MASKED=True: P = 0 where key > query position)")
+CAUSAL_WHEN_NOT = ("causal=False, but the causal mask was applied: with CAUSAL False every query sees every key, so "
+                   "no mask and no causal loop bounds")
+KERNEL_NAN_HINT = ("a query row past T (padding: its lse loads as -inf) or a row that sees no key has lse = -inf, and "
+                  "exp2(s·log2(e) − lse·log2(e)) = exp2(+inf) = inf there, times a 0 gives NaN: give such rows P = 0 "
+                  "(lse2 = +inf where lse is -inf)")
+
+
+def _reference_case(case: Case) -> Case:
+    """The case as the reference sees it: with causal=False, queries placed after every key."""
+    if case.kwargs.get("causal", True):
+        return case
+    t, s = case.q.shape[2], case.k.shape[2]
+    return replace(case, query_positions=torch.arange(t) + s, key_positions=None)
+
+
+def kernel_inputs(case: Case):
+    """(q, k, v, do, lse, delta) for the gradient kernels of `case`, exact: lse and Δ = rowsum(dO ∘ O) in FP32,
+    do the case's upstream gradient, all on the case's device."""
+    ref = _reference_case(case)
+    o, lse = saved(ref)
+    do = upstream(case)
+    delta = (do.double() * o.double()).sum(-1).float()
+    return case.q, case.k, case.v, do, lse, delta
+
+
+def _blocks_of(case: Case) -> tuple[tuple[int, int], ...]:
+    """The (BLOCK_M, BLOCK_N) a kernel of `case` may run with: the case's own, or every KERNEL_BLOCKS pair."""
+    return (tuple(case.kwargs["blocks"]),) if case.kwargs.get("blocks") else KERNEL_BLOCKS
+
+
+def visited_pairs(case: Case, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (query, key) pairs the causal kernels visit with these blocks, [B, 1, T, S] each, or None where the
+    queries do not sit at an offset: the dK/dV program of key block n visits the queries from its start,
+    (first // BLOCK_M) * BLOCK_M, on; the dQ program of query block m the keys below its stop (one past the key
+    its last query sees) rounded up to BLOCK_N. Pairs visited but not visible are the diagonal's."""
+    offsets = _offsets(case)
+    if offsets is None:
+        return None
+    t, s = case.q.shape[2], case.k.shape[2]
+    rows, keys = torch.arange(t), torch.arange(s)
+    first = ((keys // block_n * block_n)[None, :] - offsets[:, None]).clamp(min=0)             # [B, S]
+    start = (first // block_m * block_m).clamp(max=t)
+    dkdv = rows[None, :, None] >= start[:, None, :]                                              # [B, T, S]
+    last_row = ((rows // block_m + 1) * block_m).clamp(max=t) - 1                                # [T]
+    stop = (offsets[:, None] + last_row[None, :] + 1).clamp(min=0, max=s)                        # [B, T]
+    dq = keys[None, None, :] < ((stop + block_n - 1) // block_n * block_n)[..., None]               # [B, T, S]
+    return dkdv[:, None], dq[:, None]
+
+
+def _variants(case: Case, do: torch.Tensor, side: str):
+    """(words, float64 answer of `side`: (dk, dv) for "dkdv", (dq,) for "dq") for each mistake of that side that
+    needs no block sizes; with causal=False, also the causal gradients."""
+    pick = (lambda g: g[1:]) if side == "dkdv" else (lambda g: g[:1])               # noqa: E731
+    causal = case.kwargs.get("causal", True)
+    for name, words in (DKDV_BUGS if side == "dkdv" else DQ_BUGS).items():
+        if causal or name != "no_causal_backward":
+            yield words, pick(gradient_formulas(_reference_case(case), do, **BUG_FORMULAS[name]))
+    if not causal:  # the causal mask applied all the same, to P rebuilt from the (not causal) lse
+        _, _, mask = ac._scores_and_mask(case.to("cpu"))
+        yield CAUSAL_WHEN_NOT, pick(gradient_formulas(_reference_case(case), do, dq_pairs=mask, kv_pairs=mask))
+
+
+def _block_variants(case: Case, do: torch.Tensor, side: str):
+    """(words, (BLOCK_M, BLOCK_N), float64 answer of `side`) for each mistake whose gradients depend on the
+    kernel's blocks, for each pair of blocks the case's kernel may run with (causal cases only)."""
+    if not case.kwargs.get("causal", True):
+        return
+    for block_m, block_n in _blocks_of(case):
+        pairs = visited_pairs(case, block_m, block_n)
+        if pairs is None:
+            return
+        if side == "dq":
+            yield DQ_DIAGONAL, (block_m, block_n), gradient_formulas(case, do, dq_pairs=pairs[1])[:1]
             continue
-        wrong = dkdv_start_variant(case, do, block_m, block_n, rounded_up)
-        if wrong is not None and all(bool(ac._close(g, w, 2 * rtol, 2 * atol).all()) for g, w in zip(got, wrong)):
-            found.append((block_m, block_n))
+        yield DKDV_DIAGONAL, (block_m, block_n), gradient_formulas(case, do, kv_pairs=pairs[0])[1:]
+        for rounded_up in (False, True):
+            late = dkdv_start_variant(case, do, block_m, block_n, rounded_up)
+            if late is not None:
+                yield START_LATE, (block_m, block_n), late[1:]
+
+
+def _named(got, case: Case, do: torch.Tensor, want, side: str, rtol: float, atol: float,
+           blocks_only: bool = False) -> list[str]:
+    """The words of every mistake of `side` whose answer `got` equals (where it differs from `want`); a mistake
+    that depends on the blocks is named with every pair of blocks that gives it."""
+    same = lambda a, b, r, t: all(bool(ac._close(x, y, r, t).all()) for x, y in zip(a, b))   # noqa: E731
+    found, sizes = [], {}
+    for words, wrong in ([] if blocks_only else _variants(case, do, side)):
+        if not same(wrong, want, rtol, atol) and same(got, wrong, 2 * rtol, 2 * atol) and words not in found:
+            found.append(words)
+    for words, blocks, wrong in _block_variants(case, do, side):
+        if blocks not in sizes.get(words, []) and not same(wrong, want, rtol, atol) and \
+                same(got, wrong, 2 * rtol, 2 * atol):
+            sizes.setdefault(words, []).append(blocks)
+    found += [f"{words} (with (BLOCK_M, BLOCK_N) = {_block_list(blocks)})" for words, blocks in sizes.items()]
     return found
+
+
+def _block_list(blocks: list[tuple[int, int]], shown: int = 4) -> str:
+    """"(16, 32) or (32, 16)"; past `shown` pairs, the first ones and how many more."""
+    pairs = [f"({m}, {n})" for m, n in blocks]
+    if len(pairs) <= shown:
+        return " or ".join(pairs)
+    return f"{', '.join(pairs[:shown])} or {len(pairs) - shown} other pairs"
+
+
+def _as_tensors(result, likes: dict[str, torch.Tensor], where: str):
+    """The answer as float64 CPU tensors shaped like `likes` (name -> tensor), or what is wrong with its form."""
+    names = list(likes)
+    items = [result] if len(names) == 1 else result
+    if len(names) > 1 and (not isinstance(result, (tuple, list)) or len(result) != len(names)):
+        return f"{where}: should return ({', '.join(names)}), got {type(result).__name__}"
+    for name, x in zip(names, items):
+        like = likes[name]
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(like.shape):
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            return f"{where}: {name} should be shaped {list(like.shape)}, got {shape}"
+        if x.dtype != like.dtype:
+            return f"{where}: {name} should be {like.dtype}, got {x.dtype}"
+    return tuple(x.detach().cpu().double() for x in items)
+
+
+def _explain_kernel_gradients(result, case: Case, do: torch.Tensor, side: str, what: str) -> str | None:
+    where = f"{what}, {case.describe()}"
+    likes = {"dk": case.k, "dv": case.v} if side == "dkdv" else {"dq": case.q}
+    got = _as_tensors(result, likes, where)
+    if isinstance(got, str):
+        return got
+    full = reference_gradients(_reference_case(case), do)
+    want = full[1:] if side == "dkdv" else full[:1]
+    for name, g in zip(likes, got):
+        if bool(torch.isnan(g).any()):
+            return f"{where}: NaN in {name}. This is what happens when {KERNEL_NAN_HINT}."
+    rtol, atol = ac.tolerance(case.q.dtype)
+    wrong = [(name, g, w) for name, g, w in zip(likes, got, want) if _first_wrong(g, w, rtol, atol)]
+    if not wrong:
+        return None
+    name, g, w = wrong[0]
+    index = _first_wrong(g, w, rtol, atol)
+    place = (f"batch {index[0]}, KV head {index[1]}, key {index[2]}" if side == "dkdv"
+             else _where_row(case, index)) + f", element {index[3]}"
+    message = (f"{where}: {', '.join(n for n, _, _ in wrong)} wrong; {name} at {place}: got {ac._fmt(g[index])}, "
+               f"expected {ac._fmt(w[index])} (tolerance rtol={rtol:g}, atol={atol:g}).")
+    found = _named(got, case, do, want, side, rtol, atol)
+    if found:
+        return f"{message} This is exactly what happens when " + ", or when ".join(found) + "."
+    if side == "dkdv":
+        return message + (" Check, in _dkdv_tile, Pᵀ = exp2(s·qk_scale − lse·log2 e) with P = 0 for lse = -inf, the "
+                          "mask on the diagonal, dS = P ∘ (dP − Δ) and dK += dSᵀ Q; in the kernel, the first query "
+                          "block the loop visits, the query heads of the KV head (bh), and the scale of dK.")
+    return message + (" Check, in _dq_tile, P = exp2(s·qk_scale − lse·log2 e) with P = 0 for lse = -inf, the mask "
+                      "on the diagonal, dS = P ∘ (dP − Δ) and dQ += dS K; in the kernel, the KV head the query head "
+                      "reads (bkv), the last key the block sees, and the scale of dQ.")
+
+
+def check_dkdv(fn: Callable, cases: Iterable[Case]) -> None:
+    """fn(q, k, v, do, lse, delta, **kwargs) -> (dk, dv) must be autograd's, given exact lse and Δ; AssertionError
+    naming the mistake (Δ, P, the mask, the loop's start, the heads summed, the scale)."""
+    what = getattr(fn, "__name__", "dK/dV kernel")
+    for case in cases:
+        q, k, v, do, lse, delta = kernel_inputs(case)
+        problem = _explain_kernel_gradients(fn(q, k, v, do, lse, delta, **case.kwargs), case, do, "dkdv", what)
+        if problem:
+            raise AssertionError(problem)
+
+
+def check_dq(fn: Callable, cases: Iterable[Case]) -> None:
+    """fn(q, k, v, do, lse, delta, **kwargs) -> dq must be autograd's, given exact lse and Δ; AssertionError
+    naming the mistake (Δ, P, the mask on the diagonal, the KV head read, the scale)."""
+    what = getattr(fn, "__name__", "dQ kernel")
+    for case in cases:
+        q, k, v, do, lse, delta = kernel_inputs(case)
+        problem = _explain_kernel_gradients(fn(q, k, v, do, lse, delta, **case.kwargs), case, do, "dq", what)
+        if problem:
+            raise AssertionError(problem)
+
+
+def check_dq_repeated(fn: Callable, case: Case, runs: int = 5) -> None:
+    """check_dq, `runs` times on one case; a wrong dq that differs between runs is named as a race."""
+    what = getattr(fn, "__name__", "dQ kernel")
+    q, k, v, do, lse, delta = kernel_inputs(case)
+    answers = [fn(q, k, v, do, lse, delta, **case.kwargs) for _ in range(runs)]
+    for run, answer in enumerate(answers):
+        problem = _explain_kernel_gradients(answer, case, do, "dq", what)
+        if problem is None:
+            continue
+        if all(isinstance(a, torch.Tensor) for a in answers) and any(not torch.equal(a, answers[0]) for a in answers):
+            raise AssertionError(f"{what}, {case.describe()}, run {run + 1} of {runs}: {RACE_HINT}. ({problem})")
+        raise AssertionError(f"run {run + 1} of {runs}: {problem}")
+
+
+def delta_variant(case: Case, bug: str, block_m: int = 64) -> torch.Tensor:
+    """The float64 Δ [B, Hq, T] of a Δ kernel with one of DELTA_BUGS (store_unmasked: in the order where each
+    head's padding rows land after the next head's first block was written)."""
+    o, _ = saved(case)
+    o, do = o.double().cpu(), upstream(case).double().cpu()
+    if bug == "rowsum_do":
+        return do.sum(-1)
+    if bug == "rowsum_o":
+        return o.sum(-1)
+    if bug == "store_unmasked":
+        delta = (do * o).sum(-1).reshape(-1)                                # [B * Hq * T], flat as in memory
+        b, hq, t = o.shape[:3]
+        pad = -t % block_m
+        for bh in range(1, b * hq):                                         # head bh - 1's padding rows
+            delta[bh * t: bh * t + min(pad, t)] = 0.0
+        return delta.reshape(b, hq, t)
+    raise ValueError(f"unknown Δ bug {bug!r}; choose one of {tuple(DELTA_BUGS)}")
+
+
+def explain_delta(got, case: Case, what: str = "Δ kernel") -> str | None:
+    """None when `got` is Δ = rowsum(dO ∘ O) [B, Hq, T] in FP32 for the case's o and do, else what is wrong."""
+    where = f"{what}, {case.describe()}"
+    o, _ = saved(case)
+    got = _as_tensors(got, {"delta": torch.empty(o.shape[:3], dtype=torch.float32)}, where)
+    if isinstance(got, str):
+        return got
+    got = got[0]
+    want = (upstream(case).double().cpu() * o.double().cpu()).sum(-1)
+    if bool(torch.isnan(got).any()):
+        index = tuple(int(x) for x in torch.isnan(got).nonzero()[0])
+        return (f"{where}: NaN in Δ at batch {index[0]}, head {index[1]}, row {index[2]}: do the loads of o and do "
+                "read only rows < T (mask, other=0.0)?")
+    rtol, atol = ac.tolerance(case.q.dtype)
+    index = _first_wrong(got, want, rtol, atol)
+    if index is None:
+        return None
+    message = (f"{where}: Δ wrong at batch {index[0]}, head {index[1]}, row {index[2]}: got {ac._fmt(got[index])}, "
+               f"expected rowsum(dO ∘ O) = {ac._fmt(want[index])} (tolerance rtol={rtol:g}, atol={atol:g}).")
+    for bug, words in DELTA_BUGS.items():
+        wrong = delta_variant(case, bug, case.kwargs.get("block_m", 64))
+        if not bool(ac._close(wrong, want, rtol, atol).all()) and bool(ac._close(got, wrong, 2 * rtol, 2 * atol).all()):
+            return f"{message} This is exactly what happens when {words}."
+    return message + (" Δ_i = Σ_d dO_id O_id: load row i of o and of do (mask rows < T), multiply them, sum over D "
+                      "(axis=1) in FP32, and store at delta_ptr + bh * T + rows (mask rows < T).")
+
+
+def check_delta(fn: Callable, cases: Iterable[Case]) -> None:
+    """fn(o, do, **kwargs) -> Δ [B, Hq, T] FP32, with o the case's exact output and do its upstream gradient, must
+    be rowsum(dO ∘ O); AssertionError naming the mistake."""
+    what = getattr(fn, "__name__", "Δ kernel")
+    for case in cases:
+        o, _ = saved(case)
+        problem = explain_delta(fn(o, upstream(case), **case.kwargs), case, what)
+        if problem:
+            raise AssertionError(problem)
 
 
 def call_backward(fn: Callable, case: Case, do: torch.Tensor | None = None):
