@@ -142,5 +142,10 @@ def test_points_need_the_work_for_an_ordinary_user(which):
                 got.setdefault(student, {})[question] = float(points)
         wrong = {s: got.get(s) for s, (_, _, points) in cases.items() if got.get(s) != points}
         assert not wrong, (wrong, (work / "out" / "summary.txt").read_text()[-3000:])
+        import test_grading_work
+
+        summary = (work / "out" / "summary.txt").read_text()   # traced as this user too: the summary names them
+        for student in set(test_grading_work.FUSED_STUDENTS) & set(cases):
+            assert re.search(rf"- {student}, \S+: a measured call of \w+ ran torch's fused attention", summary), summary
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -2,7 +2,9 @@
 
 03's memory points are measured from outside the learner's process, so a score matrix built in
 numpy, or kept in a buffer allocated ahead of time, costs them, and so does one head's matrix at a
-time, or torch's fused attention given a [T, S] mask. 04's kernel points need the wrapper
+time, or torch's fused attention given a [T, S] mask. torch's fused attention with is_causal=True holds
+none, but the grader samples where the measured call spends its time, from outside, and refuses a call
+that ran it (03 and 06); run in another process, it cannot start. 04's kernel points need the wrapper
 to launch a @triton.jit kernel written in the notebook, so correct attention in plain PyTorch earns
 none. Each submission is alt_correct's notebook with one function replaced.
 """
@@ -164,6 +166,66 @@ PER_HEAD_BACKWARD = '''def attention_backward(q, k, v, o, lse, do, query_positio
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 '''
 
+# torch's fused attention with is_causal=True, where it answers alone (default positions, T == S, Hq == Hkv): its
+# CPU flash kernel holds no [T, S] matrix either, so it fits the probe; the grader sees where the call's time went.
+FUSED_CAUSAL = '''_own_online_attention = online_attention   # the notebook's loop, for what torch's kernel cannot do
+
+
+def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
+    """torch's fused attention where it answers alone, the notebook's loop elsewhere."""
+    if query_positions is None and key_positions is None and q.shape == k.shape == v.shape and tile >= 1:
+        return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                is_causal=True).to(q.dtype)
+    return _own_online_attention(q, k, v, query_positions, key_positions, tile)
+'''
+
+# The same kernel run by another Python process at the probe's lengths: the measured call may start none.
+FUSED_IN_A_SUBPROCESS = '''import io
+import subprocess
+import sys
+
+_own_online_attention = online_attention
+_FUSED = ("import io, sys, torch; q, k, v = torch.load(io.BytesIO(sys.stdin.buffer.read())); "
+          "o = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True); "
+          "out = io.BytesIO(); torch.save(o, out); sys.stdout.buffer.write(out.getvalue())")
+
+
+def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
+    """At long lengths, torch's fused attention in a process of its own; the notebook's loop elsewhere."""
+    if query_positions is None and key_positions is None and q.shape == k.shape == v.shape and q.shape[2] >= 4096:
+        sent = io.BytesIO()
+        torch.save((q, k, v), sent)
+        done = subprocess.run([sys.executable, "-c", _FUSED], input=sent.getvalue(), capture_output=True, check=True)
+        return torch.load(io.BytesIO(done.stdout)).to(q.dtype)
+    return _own_online_attention(q, k, v, query_positions, key_positions, tile)
+'''
+
+# Honest: the notebook's own loop, after a cell ran torch's fused attention forward and backward, whose return
+# addresses that run left on the kernel's stack: they are not the measured call's.
+FUSED_BEFORE = '''_x = torch.randn(1, 1, 4096, 8, requires_grad=True)
+torch.nn.functional.scaled_dot_product_attention(_x, _x, _x, is_causal=True).sum().backward()
+del _x
+'''
+
+# 06's: dq, dk, dv by autograd through torch's fused attention (its CPU flash forward and backward kernels), the
+# queries padded in front so that is_causal's square mask places them at the end of the keys.
+FUSED_BACKWARD = '''_own_attention_backward = attention_backward
+
+
+def attention_backward(q, k, v, o, lse, do, query_positions=None, key_positions=None, tile=16):
+    """Gradients by autograd through torch's fused attention where it answers alone, the notebook's loop elsewhere."""
+    if query_positions is None and key_positions is None and q.shape[1] == k.shape[1] and tile >= 1 \\
+            and q.shape[2] <= k.shape[2]:
+        pad = k.shape[2] - q.shape[2]
+        qq = torch.cat([q.new_zeros(*q.shape[:2], pad, q.shape[3]), q], 2).float().requires_grad_()
+        kk, vv = k.float().requires_grad_(), v.float().requires_grad_()
+        with torch.enable_grad():
+            out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+            out.backward(torch.cat([do.new_zeros(*do.shape[:2], pad, do.shape[3]), do], 2).float())
+        return qq.grad[:, :, pad:].to(q.dtype), kk.grad.to(k.dtype), vv.grad.to(v.dtype)
+    return _own_attention_backward(q, k, v, o, lse, do, query_positions, key_positions, tile)
+'''
+
 PLAIN_PYTORCH = '''def flash_attention(q, k, v, query_offset=None, block_m=32, block_n=32, window=None, **launch):
     """Causal attention in plain PyTorch: correct, but no Triton kernel."""
     B, H, T, D = q.shape
@@ -214,6 +276,16 @@ CASES = {  # student -> (assignment, notebook, expected points)
                         _without("03_online_attention", "test_online_attention_memory")),
     "per_head_backward": ("06_backward", _replacing("06_backward", "attention_backward", PER_HEAD_BACKWARD),
                           _without("06_backward", "test_attention_backward_memory")),
+    "fused_causal": ("03_online_attention", _replacing("03_online_attention", "online_attention", FUSED_CAUSAL),
+                     _without("03_online_attention", "test_online_attention_memory")),
+    "fused_in_a_subprocess": ("03_online_attention",
+                              _replacing("03_online_attention", "online_attention", FUSED_IN_A_SUBPROCESS),
+                              _without("03_online_attention", "test_online_attention_memory")),
+    "fused_before_own_loop": ("03_online_attention",
+                              _replacing("03_online_attention", "online_attention", FUSED_BEFORE),
+                              EXPECTED["03_online_attention"]["alt_correct"]),
+    "fused_backward": ("06_backward", _replacing("06_backward", "attention_backward", FUSED_BACKWARD),
+                       _without("06_backward", "test_attention_backward_memory")),
     "plain_pytorch": ("04_triton_flash", _replacing("04_triton_flash", "flash_attention", PLAIN_PYTORCH),
                       _without("04_triton_flash", "test_validation", "test_prefill", "test_offset", "test_query_offset",
                                "test_gqa", "test_block_skipping", "test_window", "test_window_skipping")),
@@ -243,6 +315,23 @@ def test_the_feedback_says_why(graded):
         per_head_page and re.search(r"score matrix of this one head alone takes 10\d\d MiB", per_head_page)
     torch_page = next((out / "feedback" / "plain_pytorch").rglob("*.html")).read_text()
     assert "launches no @triton.jit kernel" in torch_page
+
+
+FUSED_STUDENTS = ("fused_causal", "fused_backward")   # those whose measured call ran torch's fused attention
+
+
+@pytest.mark.parametrize("student", FUSED_STUDENTS)
+def test_the_fused_kernel_is_named(graded, student):
+    """A call that ran torch's fused attention is told so in its feedback, and the summary names it."""
+    outcomes, out = graded
+    page = next((out / "feedback" / student).rglob("*.html")).read_text()
+    assert "ran torch&#x27;s fused attention" in page or "ran torch's fused attention" in page, page[-3000:]
+    assert "CPU flash kernel" in page and "your own loop over key tiles" in page
+    summary = (out / "summary.txt").read_text()
+    assert re.search(rf"- {student}, \S+: a measured call of \w+ ran torch's fused attention, so its memory point "
+                     r"was refused: \d+ of the \d+ samples", summary), summary
+    assert not any("fused attention" in a for s in ("fused_before_own_loop", "fused_in_a_subprocess")
+                   for a in outcomes[s].anomalies)
 
 
 import ring_variants  # noqa: E402  (tests/ is on the path, as conftest is)

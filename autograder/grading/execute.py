@@ -32,6 +32,7 @@ from nbgrader.preprocessors import NbGraderPreprocessor
 from traitlets import Bool, Integer
 
 from autograder.jail import sandbox as jail
+from autograder.jail import watch
 from autograder.grading import kernel_world, launches
 from autograder.jail.inside import wire
 from autograder.grading.preprocessors import graded_names, is_test_cell, source_notebook_of
@@ -44,6 +45,9 @@ MAX_NOTEBOOK_OUTPUT = 32 << 20           # bytes of output kept for the whole no
 # use: grading leaves it out while its code is the one handed out, and says so in its output.
 DEMO = "demo"
 NOT_RUN = "[not run while grading: this cell only demonstrates, and no test depends on it]\n"
+# Why a measured call that ran torch's fused attention earns no memory point (autograder/jail/watch.py).
+FUSED_REFUSED = ("The memory point is for your own loop over key tiles: that kernel holds no [T, S] matrix either, "
+                 "so a call that spends its time in it says nothing of yours.")
 # Exceptions the learner's function may raise as themselves; any other becomes a RuntimeError with its name.
 PASSED_THROUGH = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError, AssertionError, RuntimeError,
                                           ZeroDivisionError, IndexError, KeyError, OverflowError, ArithmeticError)}
@@ -154,22 +158,51 @@ class Session:
     @staticmethod
     def _measured(kernel: jail.Jail, request: dict, tensors: dict | None, deadline: float,
                   address_space: int) -> tuple[dict, dict]:
-        """The call answered by a child of the runner under `address_space` (jail.Jail.measured_child). A
-        child that ends without an answer failed under the limit: that is the call's answer, not a lost kernel."""
+        """The call answered by a child of the runner under `address_space` (jail.Jail.measured_child), its
+        process watched from outside meanwhile (autograder/jail/watch.py). A child that ends without an answer
+        failed under the limit: that is the call's answer, not a lost kernel. A call that ran torch's fused
+        attention answers {"fused": where its time went}; what the grader could not watch, and why, goes to
+        the answer's "notes", for the summary."""
+        notes: list[str] = []
         try:
             with kernel.measured_child(address_space, deadline) as child:
                 try:
-                    answer = kernel.ask_child(child, request, tensors, deadline)
-                except wire.Closed:
-                    return {"raised": ["MemoryError", "its process ended without an answer (killed or crashed "
-                                                      "under the limit)"]}, {}
+                    watching = watch.Watch(child)
+                except watch.Unwatched as failed:
+                    if failed.learner:
+                        return {"unmeasured": f"its process was already traced by another process of the notebook's "
+                                              f"kernel, so where it spent its time could not be seen ({failed})"}, {}
+                    watching = None
+                    notes.append(f"it could not be watched ({failed}), so whether it ran torch's fused attention "
+                                 "was not checked")
+                try:
+                    try:
+                        answer = kernel.ask_child(child, request, tensors, deadline)
+                    except wire.Closed:
+                        return {"raised": ["MemoryError", "its process ended without an answer (killed or crashed "
+                                                          "under the limit)"]}, {}
+                    report = None
+                    if watching is not None:
+                        try:
+                            report = watching.finish()
+                        except watch.Unwatched as failed:
+                            notes.append(f"watching it failed ({failed}), so whether it ran torch's fused attention "
+                                         "was not checked")
+                finally:
+                    if watching is not None:
+                        watching.close()
                 kernel.check_alone(child)
                 kernel.check_resident(child)
-                return answer
+                document, out = answer
+                if report is not None and report.ran_fused() and "value" in document:
+                    return {"fused": report.text(), "stdout": document.get("stdout")}, {}
+                if report is not None and report.mostly_own():
+                    notes.append(report.own_text())
+                return {**document, "notes": notes}, out
         except jail.NotAlone as refused:  # not a failure under the limit: said as it is
-            return {"unmeasured": str(refused)}, {}
+            return {"unmeasured": str(refused), "notes": notes}, {}
         except jail.MeasurementRefused as refused:
-            return {"raised": ["MemoryError", str(refused)]}, {}
+            return {"raised": ["MemoryError", str(refused)], "notes": notes}, {}
 
     def run_cell(self, code: str, label: str) -> list:
         """Run a learner cell in the jail; its outputs as nbformat outputs."""
@@ -210,8 +243,15 @@ class Session:
             raise AssertionError(f"{name} could not be graded on this input: {lost}") from None
         if isinstance(answer.get("stdout"), str) and answer["stdout"]:
             print(answer["stdout"][:MAX_TEXT], end="")
+        if address_space is not None:
+            for note in answer.get("notes") or []:   # the grader's own, about what it could not watch
+                self.anomalies.append(f"a measured call of {name}: {note}")
         if "unmeasured" in answer and address_space is not None:
             raise AssertionError(f"{name} was not measured: {str(answer['unmeasured'])[:2000]}")
+        if "fused" in answer and address_space is not None:
+            self.anomalies.append(f"a measured call of {name} ran torch's fused attention, so its memory point was "
+                                  f"refused: {answer['fused']}")
+            raise AssertionError(f"{name} ran torch's fused attention: {answer['fused']}. " + FUSED_REFUSED)
         if "raised" in answer:
             kind, message = (answer["raised"] + ["", ""])[:2] if isinstance(answer["raised"], list) else ("", "")
             kind, message = str(kind)[:100], str(message)[:2000]

@@ -519,7 +519,9 @@ def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> No
 # over query blocks of 256 rows holding [256, S] strips at 66 MiB. What cannot fit: that one head's score matrix
 # (1024 MiB, 4x the allowance), in bfloat16 or float16 (512 MiB, 2x), or a [T, S] boolean mask beside the work
 # (256 MiB, the whole allowance). torch's fused scaled_dot_product_attention with is_causal=True (its CPU flash
-# kernel) peaks at 13 MiB and passes: memory alone does not tell it from an online loop (README, "For instructors").
+# kernel) peaks at 13 MiB: memory alone does not tell it from an online loop, so the grader watches where the call
+# spends its time, from outside, and refuses one found in that kernel (autograder/jail/watch.py; README, "What 03's
+# memory point proves").
 PROBE_SCORE_BYTES = 1 << 30      # one float32 [T, S] score matrix of the probe's one head
 PROBE_ALLOWANCE = 256 << 20      # what the call may map beyond its process's start-up size: the honest peak's 3x
 PROBE_TILE = 256                 # the probe's tile (06's backward probe uses it too)
