@@ -146,24 +146,40 @@ def test_float32_takes_the_smallest_configuration():
 
 # Mistakes planted in the exported kernels' source text (a mutation of the solution, imported as a module of
 # its own): (edits, the hidden cell that must fail, words its message must contain).
+DS_T_LINE = "ds_t = p_t * (dp_t - delta[None, :])"
+DS_LINE = "ds = p * (dp - delta[:, None])"
+BKV_LINE = "bkv = b * kv_heads + h // group"
+BH_LINE = "bh = (b * kv_heads + kv_h) * group + g"
+DQ_DIAGONAL_CALL = "dq = _dq_tile(dq, q_block, keys_from, bkv, n0, True,"
 KERNEL_MUTATIONS = {
-    "delta_missing": ([("ds_t = p_t * (dp_t - delta[None, :])", "ds_t = p_t * dp_t"),
-                       ("ds = p * (dp - delta[:, None])", "ds = p * dp")],
-                      "test_flash_attention_backward", bc.BACKWARD_BUGS["delta_missing"]),
+    "delta_rowsum_do": ([("tl.sum(o * do, axis=1)", "tl.sum(do, axis=1)")], "test_backward_delta",
+                        bc.DELTA_BUGS["rowsum_do"]),
+    "dk_delta_missing": ([(DS_T_LINE, "ds_t = p_t * dp_t")], "test_backward_dkdv", bc.DKDV_BUGS["dk_delta_missing"]),
+    "dq_delta_missing": ([(DS_LINE, "ds = p * dp")], "test_backward_dq", bc.DQ_BUGS["dq_delta_missing"]),
     "lse_read_as_base2": ([('float("inf"), lse * 1.4426950408889634)', 'float("inf"), lse)')],
-                          "test_flash_attention_backward", bc.BACKWARD_BUGS["lse_read_as_base2"]),
-    "dq_no_scale": ([("dq = dq * sm_scale", "dq = dq")], "test_flash_attention_backward",
-                    bc.BACKWARD_BUGS["dq_no_scale"]),
-    "gqa_last_head": ([("        h = kv_h * group + g\n",
-                        "        h = kv_h * group + g\n        dk = tl.zeros((BLOCK_N, D), tl.float32)\n"
-                        "        dv = tl.zeros((BLOCK_N, D), tl.float32)\n")],
-                      "test_flash_attention_backward_gqa", bc.BACKWARD_BUGS["gqa_last_head"]),
+                          "test_backward_dkdv", bc.BACKWARD_BUGS["lse_read_as_base2"]),
+    "dq_no_scale": ([("dq = dq * sm_scale", "dq = dq")], "test_backward_dq", bc.BACKWARD_BUGS["dq_no_scale"]),
+    "dq_heads_modulo": ([(BKV_LINE, "bkv = b * kv_heads + h % kv_heads")], "test_backward_dq",
+                        bc.DQ_BUGS["dq_heads_modulo"]),
+    "dq_heads_no_batch": ([(BKV_LINE, "bkv = h // group")], "test_backward_dq", bc.DQ_BUGS["dq_heads_no_batch"]),
+    "dq_diagonal_unmasked": ([(DQ_DIAGONAL_CALL, DQ_DIAGONAL_CALL.replace("True,", "False,"))], "test_backward_dq",
+                             bc.DQ_DIAGONAL),
+    "dkdv_heads_modulo": ([(BH_LINE, "bh = b * kv_heads * group + g * kv_heads + kv_h")], "test_backward_dkdv",
+                          bc.DKDV_BUGS["dkdv_heads_modulo"]),
+    "gqa_last_head": ([("        " + BH_LINE, "        dk = tl.zeros((BLOCK_N, D), tl.float32)\n"
+                        "        dv = tl.zeros((BLOCK_N, D), tl.float32)\n        " + BH_LINE)],
+                      "test_backward_dkdv", bc.BACKWARD_BUGS["gqa_last_head"]),
     "start_late": ([("start = tl.minimum((first // BLOCK_M) * BLOCK_M, T)",
                      "start = tl.minimum(tl.cdiv(first, BLOCK_M) * BLOCK_M, T)")],
-                   "test_flash_attention_backward_offset", bc.START_LATE),
+                   "test_backward_dkdv", bc.START_LATE),
+    "dkdv_diagonal_unmasked": ([("_dkdv_tile(dk, dv, kv_block, queries, bh, m0, True,",
+                                 "_dkdv_tile(dk, dv, kv_block, queries, bh, m0, False,")],
+                               "test_backward_dkdv", bc.DKDV_DIAGONAL),
     "backward_not_written": ([("        q, k, v, o, lse = ctx.saved_tensors\n", "        return None, None, None, None, None\n")],
                              "test_flash_attention_train", "No gradient reached q, k or v"),
 }
+GRADED = {"test_backward_delta": "backward_delta", "test_backward_dkdv": "backward_dkdv",
+          "test_backward_dq": "backward_dq", "test_flash_attention_train": "train_step_gradients"}
 
 
 def _mutant_engine(tmp_path, name, edits):
@@ -185,14 +201,13 @@ def _mutant_engine(tmp_path, name, edits):
 
 @pytest.mark.parametrize("mistake", sorted(KERNEL_MUTATIONS))
 def test_planted_kernel_mistake_is_named(mistake, tmp_path):
-    """Each mistake planted in the kernels fails its hidden cell with a message that names it."""
+    """Each mistake planted in the kernels fails its part's hidden cell with a message that names it."""
     from autograder.hidden import backward as hidden
 
     edits, cell, words = KERNEL_MUTATIONS[mistake]
     mutant = _mutant_engine(tmp_path, mistake, edits)
-    graded = mutant.train_step_gradients if cell == "test_flash_attention_train" else mutant.flash_attention_backward
     with pytest.raises(AssertionError) as failure:
-        getattr(hidden, cell)(graded)
+        getattr(hidden, cell)(getattr(mutant, GRADED[cell]))
     assert words in str(failure.value), str(failure.value)
 
 
@@ -200,10 +215,68 @@ def test_correct_kernels_pass_every_hidden_cell():
     """The engine passes the four hidden Triton cells; a correct kernel is never given a diagnosis."""
     from autograder.hidden import backward as hidden
 
-    hidden.test_flash_attention_backward(bw.flash_attention_backward)
-    hidden.test_flash_attention_backward_gqa(bw.flash_attention_backward)
-    hidden.test_flash_attention_backward_offset(bw.flash_attention_backward)
+    hidden.test_backward_delta(bw.backward_delta)
+    hidden.test_backward_dkdv(bw.backward_dkdv)
+    hidden.test_backward_dq(bw.backward_dq)
     hidden.test_flash_attention_train(bw.train_step_gradients)
+
+
+# The three mistakes that once got generic messages, each recognised by its part's visible check on the visible
+# cell's cases: named when planted, not named on the correct kernel, nor on another mistake of the same kernel.
+VISIBLE = [ac.make_case("GQA 2:1, T = S = 37", batch=2, q_heads=4, kv_heads=2, t=37, seed=60),
+           ac.make_case("GQA 2:1, chunked prefill T = 21, S = 50", batch=1, q_heads=4, kv_heads=2, t=21, s=50, seed=61)]
+RECOGNISERS = {  # planted mistake -> (check, launcher, words, an unrelated mistake of the same kernel)
+    "dk_delta_missing": (bc.check_dkdv, "backward_dkdv", "Δ was left out of dK", "dkdv_heads_modulo"),
+    "dq_heads_modulo": (bc.check_dq, "backward_dq", "the KV head index of program bh is wrong", "dq_delta_missing"),
+    "dq_diagonal_unmasked": (bc.check_dq, "backward_dq", "the diagonal block of dQ is not masked", "dq_no_scale"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(RECOGNISERS))
+def test_each_part_names_its_planted_mistake_and_nothing_else(mistake, tmp_path):
+    """The planted mistake's message names it; the correct kernel passes; an unrelated mistake is not called it."""
+    check, launcher, words, unrelated = RECOGNISERS[mistake]
+    with pytest.raises(AssertionError) as planted:
+        check(getattr(_mutant_engine(tmp_path, mistake, KERNEL_MUTATIONS[mistake][0]), launcher), VISIBLE)
+    assert words in str(planted.value), str(planted.value)
+    check(getattr(bw, launcher), VISIBLE)
+    with pytest.raises(AssertionError) as other:
+        check(getattr(_mutant_engine(tmp_path, unrelated, KERNEL_MUTATIONS[unrelated][0]), launcher), VISIBLE)
+    assert words not in str(other.value) and "This is exactly what happens when" in str(other.value), str(other.value)
+
+
+def test_a_mistake_matching_no_variant_gets_an_accurate_generic_message():
+    """dQ scaled by 1.5: wrong, named as no mistake, with where it is wrong and what to check."""
+    def off(*args, **kwargs):
+        return bw.backward_dq(*args, **kwargs) * 1.5
+
+    with pytest.raises(AssertionError) as failure:
+        bc.check_dq(off, VISIBLE[:1])
+    message = str(failure.value)
+    assert "dq wrong" in message and "This is exactly" not in message and "Check, in _dq_tile" in message, message
+
+
+def test_delta_check_names_its_mistakes():
+    """Δ from rowsum(O) and padding stored over the next head's first rows are named; the right Δ passes."""
+    case = ac.make_case("T = 37, blocks of 16", batch=2, q_heads=3, kv_heads=3, t=37, seed=70, block_m=16)
+    bc.check_delta(bw.backward_delta, [case])
+    for bug in ("rowsum_o", "store_unmasked"):
+        with pytest.raises(AssertionError, match="This is exactly what happens") as failure:
+            bc.check_delta(lambda o, do, block_m=64, bug=bug: bc.delta_variant(case, bug, 16).float(), [case])
+        assert bc.DELTA_BUGS[bug] in str(failure.value)
+
+
+def test_not_causal_run_causally_is_named():
+    """A dK/dV kernel that masks although causal=False gives the causal gradients: named as such."""
+    case = ac.make_case("not causal, T = 33, S = 19", batch=1, q_heads=4, kv_heads=2, t=33, s=19, seed=8, causal=False)
+    bc.check_dkdv(bw.backward_dkdv, [case])
+
+    def causal_anyway(*args, causal=True, **kwargs):
+        return bw.backward_dkdv(*args, causal=True, **kwargs)
+
+    with pytest.raises(AssertionError) as failure:
+        bc.check_dkdv(causal_anyway, [case])
+    assert bc.CAUSAL_WHEN_NOT in str(failure.value), str(failure.value)
 
 
 def test_race_named_only_when_dq_changes_between_runs():
@@ -226,3 +299,23 @@ def test_race_named_only_when_dq_changes_between_runs():
         bc.check_backward_repeated(unscaled, case, runs=3)
     assert "run to run" not in str(failure.value) and bc.BACKWARD_BUGS["dq_no_scale"] in str(failure.value)
     bc.check_backward_repeated(bw.flash_attention_backward, case, runs=2)
+
+
+def test_dq_race_named_by_the_part_check_only_when_dq_changes_between_runs():
+    """check_dq_repeated, Part C's check on a GPU, names a race when a wrong dq differs from run to run, and the
+    mistake when it is always the same wrong dq."""
+    case = ac.make_case("crowded", batch=1, q_heads=1, kv_heads=1, t=5, s=40, query_offset=39, seed=3)
+    noise = torch.Generator().manual_seed(0)
+
+    def racy(*args, **kwargs):
+        return bw.backward_dq(*args, **kwargs) * (1 - torch.rand(1, generator=noise))
+
+    def unscaled(*args, **kwargs):
+        return bw.backward_dq(*args, **kwargs) * math.sqrt(case.q.shape[-1])
+
+    with pytest.raises(AssertionError, match="changes from run to run"):
+        bc.check_dq_repeated(racy, case, runs=3)
+    with pytest.raises(AssertionError) as failure:
+        bc.check_dq_repeated(unscaled, case, runs=3)
+    assert "run to run" not in str(failure.value) and bc.DQ_BUGS["dq_no_scale"] in str(failure.value)
+    bc.check_dq_repeated(bw.backward_dq, case, runs=2)

@@ -237,12 +237,13 @@ def test_dq_race_is_caught(bw):
 
 
 def test_hidden_checks_pass_compiled(bw):
-    """The engine passes 06's hidden Triton cells compiled (float32, true FP32 products), the repeated
-    many-key-block case included. In float32 each backward kernel runs its smallest configuration alone;
-    test_every_block_configuration checks every one in bf16."""
+    """The engine passes 06's hidden Triton cells compiled (float32, true FP32 products), each kernel alone (the
+    repeated many-key-block case of dQ included) and trained through. In float32 each backward kernel runs its
+    smallest configuration alone, or the blocks a case names; test_every_block_configuration checks every one in
+    bf16."""
     from autograder.hidden import backward as hidden
 
-    hidden.test_flash_attention_backward(bw.flash_attention_backward)
-    hidden.test_flash_attention_backward_gqa(bw.flash_attention_backward)
-    hidden.test_flash_attention_backward_offset(bw.flash_attention_backward)
+    hidden.test_backward_delta(bw.backward_delta)
+    hidden.test_backward_dkdv(bw.backward_dkdv)
+    hidden.test_backward_dq(bw.backward_dq)
     hidden.test_flash_attention_train(bw.train_step_gradients)

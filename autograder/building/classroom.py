@@ -34,10 +34,10 @@ CHEATS = {
 
 # Where a sample scores otherwise when its kernels are compiled on a GPU, (assignment, student) -> questions:
 # a GPU grows the hidden cases and autotunes other block sizes, which can expose more of a planted mistake.
-# bug_causal_bound_backward rounds the dK/dV loop's first query block up; with the interpreter's 16 x 16
-# blocks the hidden chunked-prefill case (T = 13, S = 50) never meets it, with the H200's 32 x 64 blocks on
-# the grown case (T = 52, S = 200) it drops rows.
-ON_GPU = {("06_backward", "bug_causal_bound_backward"): {"test_flash_attention_backward": 0}}
+# None today: bug_causal_bound_backward, whose dK/dV loop rounds its first query block up, once passed the
+# integrated backward cell on a CPU alone; 06's dK/dV kernel is now checked alone with blocks of several
+# ratios, and fails it on a CPU as on a GPU.
+ON_GPU: dict[tuple[str, str], dict[str, float]] = {}
 
 
 def samples() -> dict[str, list[str]]:

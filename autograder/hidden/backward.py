@@ -7,15 +7,20 @@ invisible. The GQA cases are kept out of the other backward checks, so a dk/dv w
 loses the GQA points alone. Tolerances are flashcourse.checks.core.TOLERANCES for float32 (1e-4
 relative and absolute) against torch.autograd through the float64 reference; every case is seeded.
 
-The Triton checks run in float32, under the interpreter on a CPU (small shapes) or compiled on a GPU (head
-dimension 64, four times longer sequences, true FP32 products through the kernels' input_precision="ieee"),
-so the float32 tolerances hold everywhere and a failure is a mistake, not rounding. How close bf16 gets is
-measured by tests/test_backward_kernel_gpu.py, not graded. Most lengths are multiples of no block size, so
-a (batch, head) ends in a padded block, and there are always several heads, so rows past T that leak into the
-next head's Δ or dK/dV can show. An unmasked store of Δ is caught only when the program order leaves its
-padding in place (it also writes past the end of Δ). Under the interpreter programs run one after another,
-so a dQ race cannot show on a CPU; compiled, test_flash_attention_backward also runs a case of 64 queries
-over 4096 keys five times, where many programs would add into the same rows of dQ at once.
+The Triton checks run each kernel alone, as the notebook's parts do: Δ from o and do; dK/dV and dQ from
+q, k, v, do and the exact lse and Δ, so a mistake in one kernel never costs another's points. They run in
+float32, under the interpreter on a CPU (small shapes) or compiled on a GPU (head dimension 64, four times
+longer sequences and offsets, true FP32 products through the kernels' input_precision="ieee"), so the float32
+tolerances hold everywhere and a failure is a mistake, not rounding. How close bf16 gets is measured by
+tests/test_backward_kernel_gpu.py, not graded. Most lengths are multiples of no block size, so a (batch, head)
+ends in a padded block, and there are always several heads and, with GQA, two KV heads and two sequences, so
+rows past T that leak into the next head, a KV head that sums the wrong query heads and an index that leaves
+out the batch can show. Both gradient kernels also run with blocks other than their launcher's own (16 x 16,
+32 x 16, 16 x 64), where loop bounds that hold for one ratio of BLOCK_M to BLOCK_N fail for another, and with
+causal=False and T != S. An unmasked store of Δ is caught only when the program order leaves its padding in
+place (it also writes past the end of Δ). Under the interpreter programs run one after another, so a dQ race
+cannot show on a CPU; compiled, test_backward_dq also runs a case of 64 queries over 4096 keys five times,
+where many programs would add into the same rows of dQ at once.
 
 Memory has no hidden check: the visible one of its cell, measured from outside on one head scaled up
 until its [T, S] matrix of P takes 512 MiB (backward_checks.PROBE_MATRIX_BYTES), is as strong as a check
@@ -116,56 +121,73 @@ def test_attention_backward_edges(attention_backward) -> None:
 
 
 def _kernel_case(name, seed, t, s=None, **spec):
-    """A float32 case on the runtime's device; on a GPU the head dimension is 64 and T, S grow 4x."""
+    """A float32 case on the runtime's device; on a GPU the head dimension is 64 and T, S (and an offset) grow 4x."""
     rt = runtime.current()
     grow = 1 if rt.interpret else 4
     s = t if s is None else s
+    if spec.get("query_offset") is not None:
+        spec["query_offset"] *= grow
     return ac.make_case(name, t=t * grow, s=s * grow, d=16 if rt.interpret else 64, seed=seed, device=rt.device,
                         **spec)
 
 
-def test_flash_attention_backward(flash_attention_backward) -> None:
-    """Causal, Hq = Hkv: odd T = S with two and three heads (padded last blocks), T = S = 70, decode, chunked prefill."""
-    bc.check_backward(flash_attention_backward, [
-        _kernel_case("prefill, T = S = 45", 400, 45, batch=2, q_heads=3, kv_heads=3),
-        _kernel_case("prefill, T = S = 70", 401, 70, batch=1, q_heads=2, kv_heads=2),
-        _kernel_case("decode, T = 1, S = 29", 402, 1, 29, batch=2, q_heads=2, kv_heads=2),
-        _kernel_case("chunked prefill, T = 13, S = 50", 403, 13, 50, batch=1, q_heads=2, kv_heads=2),
-        _kernel_case("prefill, large scores", 404, 33, batch=1, q_heads=2, kv_heads=2, score_scale=8.0),
+def test_backward_delta(backward_delta) -> None:
+    """Δ alone: one row, lengths that no block divides and one that a block does, blocks of 16 to 128, many heads."""
+    bc.check_delta(backward_delta, [
+        _kernel_case("decode, T = 1", 400, 1, batch=2, q_heads=4, kv_heads=4),
+        _kernel_case("T = 13, blocks of 16", 401, 13, batch=1, q_heads=5, kv_heads=5, block_m=16),
+        _kernel_case("T = 65, blocks of 64", 402, 65, batch=2, q_heads=3, kv_heads=3, block_m=64),
+        _kernel_case("T = 100, blocks of 32", 403, 100, batch=1, q_heads=2, kv_heads=2, block_m=32),
+        _kernel_case("T = 64, blocks of 64", 404, 64, batch=2, q_heads=2, kv_heads=2, block_m=64),
+        _kernel_case("T = 37, blocks of 128", 405, 37, batch=1, q_heads=3, kv_heads=3, block_m=128),
     ])
-    if not runtime.current().interpret:  # compiled: many key blocks add into the same few rows of dQ at once
+
+
+def _gradient_cases(seed):
+    """What both gradient kernels are checked on: padded last blocks over several heads, GQA 4:1 and 2:1 with two
+    sequences, chunked prefill, offsets in the cache, 0 with T > S and below 0 (rows that see no key), decode at
+    the end of the cache and inside it, large scores, not causal with T != S, and blocks other than the
+    launcher's own."""
+    return [
+        _kernel_case("prefill, T = S = 45", seed, 45, batch=2, q_heads=3, kv_heads=3),
+        _kernel_case("GQA 4:1, T = S = 37", seed + 1, 37, batch=2, q_heads=8, kv_heads=2),
+        _kernel_case("GQA 2:1, chunked prefill T = 13, S = 45", seed + 2, 13, 45, batch=2, q_heads=4, kv_heads=2),
+        _kernel_case("query_offset 9 in the cache", seed + 3, 23, 50, batch=1, q_heads=2, kv_heads=1, query_offset=9),
+        _kernel_case("query_offset 0, T > S", seed + 4, 37, 21, batch=1, q_heads=2, kv_heads=2, query_offset=0),
+        _kernel_case("rows before key 0", seed + 5, 21, 17, batch=2, q_heads=2, kv_heads=2, query_offset=-7),
+        _kernel_case("decode, GQA 2:1", seed + 6, 1, 29, batch=2, q_heads=4, kv_heads=2),
+        _kernel_case("decode at offset 25 of a longer cache", seed + 12, 1, 40, batch=1, q_heads=4, kv_heads=2,
+                     query_offset=25),
+        _kernel_case("large scores", seed + 7, 33, batch=1, q_heads=2, kv_heads=2, score_scale=8.0),
+        _kernel_case("not causal, GQA 2:1, T = 33, S = 19", seed + 8, 33, 19, batch=2, q_heads=4, kv_heads=2,
+                     causal=False),
+        _kernel_case("blocks 16 x 16, GQA 2:1, offset 5", seed + 9, 29, 40, batch=2, q_heads=4, kv_heads=2,
+                     query_offset=5, blocks=(16, 16)),
+        _kernel_case("blocks 32 x 16, T = S = 41", seed + 10, 41, batch=1, q_heads=2, kv_heads=1, blocks=(32, 16)),
+        _kernel_case("blocks 16 x 64, chunked prefill", seed + 11, 19, 70, batch=1, q_heads=4, kv_heads=2,
+                     blocks=(16, 64)),
+    ]
+
+
+def test_backward_dkdv(backward_dkdv) -> None:
+    """dK and dV alone, given exact lse and Δ, on _gradient_cases: the loop's start, the diagonal, GQA sums."""
+    bc.check_dkdv(backward_dkdv, _gradient_cases(410))
+
+
+def test_backward_dq(backward_dq) -> None:
+    """dQ alone, given exact lse and Δ, on _gradient_cases; compiled, also 64 queries over 4096 keys five times."""
+    bc.check_dq(backward_dq, _gradient_cases(430))
+    if not runtime.current().interpret:  # compiled: many key blocks, and any race on the same few rows of dQ
         crowded = ac.make_case("64 queries over 4096 keys", batch=1, q_heads=2, kv_heads=2, t=64, s=4096, d=64,
-                               query_offset=4095, seed=405, device=runtime.current().device)
-        bc.check_backward_repeated(flash_attention_backward, crowded, runs=5)
-
-
-def test_flash_attention_backward_gqa(flash_attention_backward) -> None:
-    """GQA 4:1 and 2:1, prefill and chunked prefill: dk and dv summed over the query heads of each KV head."""
-    bc.check_backward(flash_attention_backward, [
-        _kernel_case("GQA 4:1, T = S = 37", 410, 37, batch=1, q_heads=8, kv_heads=2),
-        _kernel_case("GQA 2:1, T = 13, S = 45", 411, 13, 45, batch=2, q_heads=4, kv_heads=2),
-        _kernel_case("GQA 4:1, one KV head, T = S = 19", 412, 19, batch=1, q_heads=4, kv_heads=1),
-    ])
-
-
-def test_flash_attention_backward_offset(flash_attention_backward) -> None:
-    """Explicit query offsets: in the middle of the cache, 0 with T > S, and below 0 (rows that see no key)."""
-    rt = runtime.current()
-    grow = 1 if rt.interpret else 4
-    bc.check_backward(flash_attention_backward, [
-        _kernel_case("query_offset in the cache", 420, 23, 50, batch=1, q_heads=2, kv_heads=1, query_offset=9 * grow),
-        _kernel_case("query_offset 0, T > S", 421, 37, 21, batch=1, q_heads=2, kv_heads=2, query_offset=0),
-        _kernel_case("rows before key 0", 422, 21, 17, batch=2, q_heads=2, kv_heads=2, query_offset=-7 * grow),
-        _kernel_case("decode into a longer cache", 423, 1, 40, batch=1, q_heads=4, kv_heads=2, query_offset=25 * grow),
-    ])
+                               query_offset=4095, seed=450, device=runtime.current().device)
+        bc.check_dq_repeated(backward_dq, crowded, runs=5)
 
 
 def test_flash_attention_train(train_step_gradients) -> None:
     """loss.backward() through flash_attention_train: GQA, odd lengths, a query offset, rows that see no key."""
-    rt = runtime.current()
-    grow = 1 if rt.interpret else 4
     bc.check_train_step(train_step_gradients, [
-        _kernel_case("prefill, GQA 2:1, T = S = 29", 430, 29, batch=2, q_heads=4, kv_heads=2),
-        _kernel_case("chunked prefill, GQA 4:1", 431, 11, 35, batch=1, q_heads=4, kv_heads=1, query_offset=20 * grow),
-        _kernel_case("rows before key 0", 432, 15, 12, batch=1, q_heads=2, kv_heads=2, query_offset=-3 * grow),
+        _kernel_case("prefill, GQA 2:1, T = S = 29", 460, 29, batch=2, q_heads=4, kv_heads=2),
+        _kernel_case("chunked prefill, GQA 4:1", 461, 11, 35, batch=1, q_heads=4, kv_heads=1, query_offset=20),
+        _kernel_case("rows before key 0", 462, 15, 12, batch=1, q_heads=2, kv_heads=2, query_offset=-3),
+        _kernel_case("GQA 2:1 over two KV heads, chunked prefill", 463, 13, 40, batch=2, q_heads=4, kv_heads=2),
     ])

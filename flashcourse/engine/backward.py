@@ -193,6 +193,36 @@ def flash_attention_lse(q, k, v, query_offset=None, causal=True):
     return o, lse
 
 
+def _backward_configs(shapes, interpreted):
+    """triton.autotune's choices, (BLOCK_M, BLOCK_N, warps, stages) each; on a CPU one small pair of blocks."""
+    if runtime.current().interpret:
+        shapes = [(*interpreted, 4, 1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in shapes]
+
+
+def _smallest_for_float32(configs, named_args, **kwargs):
+    """FP32 inputs (true FP32 products, no tensor cores: run for correctness, not speed) take the smallest pair
+    of blocks alone; tuning them would compile every configuration again for each new shape, for nothing."""
+    if named_args["q_ptr"].dtype == torch.float32:
+        return [min(configs, key=lambda config: config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"])]
+    return configs
+
+
+def _backward_inputs(q, k, v, do, lse, delta, query_offset):
+    """The gradient kernels' common set-up: inputs checked and made contiguous, the offset and both scales.
+    Returns (q, k, v, do, lse, delta) contiguous, lse and Δ in FP32, then offset, qk_scale, sm_scale."""
+    check_kernel_inputs(q, k, v)
+    B, Hq, T, D = q.shape
+    if tuple(do.shape) != tuple(q.shape):
+        raise ValueError(f"do must be shaped like q {list(q.shape)}, got {list(do.shape)}")
+    for name, x in (("lse", lse), ("delta", delta)):
+        if tuple(x.shape) != (B, Hq, T):
+            raise ValueError(f"{name} must be [B, Hq, T] = {[B, Hq, T]}, got {list(x.shape)}")
+    offset = k.shape[2] - T if query_offset is None else int(query_offset)
+    tensors = [x.contiguous() for x in (q, k, v, do)] + [x.float().contiguous() for x in (lse, delta)]
+    return (*tensors, offset, LOG2E / math.sqrt(D), 1.0 / math.sqrt(D))
+
+
 @triton.jit
 def backward_delta_kernel(
     o_ptr, do_ptr,                           # o and do [B, Hq, T, D], contiguous
@@ -224,66 +254,61 @@ def backward_delta(o, do, block_m=64):
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv,                                  # accumulators [BLOCK_N, D], FP32
-    k, v,                                    # [BLOCK_N, D] the program's keys and values
-    q_src, do_src, lse_src, delta_src,       # this (batch, query head)'s q and do at query 0, lse and Δ at query 0
-    dq_src,                                  # with ATOMIC_DQ: this (batch, query head)'s FP32 dq at query 0
-    m0,                                      # first query of the tile
-    keys,                                    # [BLOCK_N] key indices
-    offset, T, S,                            # position of query 0; number of queries and of keys
-    stride_qt, stride_dot,                   # q's and do's strides over queries
-    qk_scale,                                # log2(e) / sqrt(D)
-    sm_scale,                                # 1 / sqrt(D) (with ATOMIC_DQ: dq's factor)
+    dk, dv,                                  # accumulators [BLOCK_N, D], FP32: the program's sums so far
+    kv_block,                                # (k, v [BLOCK_N, D], keys [BLOCK_N]): the program's keys, loaded once
+    queries,                                 # where the query tiles are read from (see backward_dkdv_kernel)
+    bh,                                      # the tile's (batch, query head): its row of q, do, lse and Δ
+    m0,                                      # the tile's first query
+    MASKED: tl.constexpr,                    # True on the causal diagonal: hide the keys after each query
+    ATOMIC_DQ: tl.constexpr,                 # also add the tile's dQ = scale dS K into dq, with atomics (given)
     D: tl.constexpr,                         # head dimension
     BLOCK_M: tl.constexpr,                   # queries per tile
-    MASKED: tl.constexpr,                    # True on the causal diagonal: hide keys after each query
-    ATOMIC_DQ: tl.constexpr,                 # also add this tile's share of dq, with atomics
     DOT_PRECISION: tl.constexpr,             # tl.dot's input_precision for FP32 inputs
 ):
-    """The queries m0 .. m0 + BLOCK_M - 1 against the program's keys, transposed: keys along rows."""
+    """Queries m0 .. m0 + BLOCK_M - 1 of head bh against the program's keys, transposed (keys along rows):
+    returns dk + dS^T Q (the scale comes at the end) and dv + P^T dO."""
+    k, v, keys = kv_block
+    q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, S, offset, qk_scale, sm_scale = queries
     rows = m0 + tl.arange(0, BLOCK_M)                    # [BLOCK_M] query indices
     cols = tl.arange(0, D)                               # [D]
     row_ok = rows < T
-    q = tl.load(q_src + rows[:, None] * stride_qt + cols[None, :], mask=row_ok[:, None], other=0.0)    # [BLOCK_M, D]
-    do = tl.load(do_src + rows[:, None] * stride_dot + cols[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-    lse = tl.load(lse_src + rows, mask=row_ok, other=float("-inf"))                    # [BLOCK_M], natural log
-    delta = tl.load(delta_src + rows, mask=row_ok, other=0.0)                          # [BLOCK_M]
+    tile = bh * T * D + rows[:, None] * D + cols[None, :]                     # [BLOCK_M, D] into q, do (and dq)
+    q = tl.load(q_ptr + tile, mask=row_ok[:, None], other=0.0)                # [BLOCK_M, D]
+    do = tl.load(do_ptr + tile, mask=row_ok[:, None], other=0.0)              # [BLOCK_M, D]
+    lse = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=float("-inf"))  # [BLOCK_M] natural log; -inf: P = 0
+    delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)        # [BLOCK_M] Δ
+    q_pos = offset + rows                                                     # [BLOCK_M] absolute positions
     # A row past T or a row that sees no key (lse = -inf) has P = 0: give it lse = +inf, so exp2 gives 0, not NaN.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)      # base 2: L * log2(e)
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)                        # [BLOCK_N, BLOCK_M] = (Q K^T)^T
     p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])                                 # P^T rebuilt: exp(S - L)
     if MASKED:
-        visible = keys[:, None] <= (offset + rows)[None, :]                            # key j visible to query i
-        p_t = tl.where(visible, p_t, 0.0)
+        p_t = tl.where(keys[:, None] <= q_pos[None, :], p_t, 0.0)                     # key j visible to query i
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)               # dV += P^T dO
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)                      # [BLOCK_N, BLOCK_M] = (dO V^T)^T
     ds_t = p_t * (dp_t - delta[None, :])                                               # dS^T = P^T ∘ (dP^T - Δ)
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)                # dK += dS^T Q (scaled at the end)
-    if ATOMIC_DQ:  # dQ += dS K, added into FP32 memory that every key block of this row also adds to
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)                # dK += dS^T Q
+    if ATOMIC_DQ:  # optional (given): dQ += scale dS K, added into FP32 memory every key block of these rows adds to
         # A key past S loads as 0, so its P = exp(-lse) may overflow (fp16, or any dtype for lse < -88): its dS
-        # must be 0 before the product with its 0, or inf times 0 puts NaN in dq.
+        # must be 0 before the product with its 0, or inf times 0 puts NaN in dq. Reads ds_t, dS^T, from above.
         ds_t = tl.where((keys < S)[:, None], ds_t, 0.0)
         dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION)      # [BLOCK_M, D]
-        tl.atomic_add(dq_src + rows[:, None] * D + cols[None, :], dq * sm_scale, mask=row_ok[:, None])
+        tl.atomic_add(dq_ptr + tile, dq * sm_scale, mask=row_ok[:, None])
     return dk, dv
 
 
 @triton.jit
 def backward_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,             # q and do [B, Hq, T, D], k and v [B, Hkv, S, D]
+    q_ptr, k_ptr, v_ptr, do_ptr,             # q and do [B, Hq, T, D], k and v [B, Hkv, S, D], contiguous
     lse_ptr, delta_ptr,                      # lse and Δ [B, Hq, T], FP32, contiguous
-    dk_ptr, dv_ptr,                          # dk and dv like k and v, contiguous (the outputs)
-    dq_ptr,                                  # dq [B, Hq, T, D] in FP32, zeroed, contiguous (written only with ATOMIC_DQ)
-    stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query (D is contiguous)
-    stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
-    stride_vb, stride_vh, stride_vs,         # v's strides over batch, KV head and key
-    stride_dob, stride_doh, stride_dot,      # do's strides over batch, head and query
+    dk_ptr, dv_ptr,                          # dk and dv like k and v (the outputs)
+    dq_ptr,                                  # dq [B, Hq, T, D] in FP32, zeroed (written only with ATOMIC_DQ)
     T, S,                                    # number of queries and of keys
     offset,                                  # absolute position of query 0 (query i sits at offset + i)
     kv_heads,                                # Hkv: splits the grid's second axis into (batch, KV head)
-    group,                                   # Hq // Hkv: the query heads that read this KV head
+    group,                                   # Hq // Hkv: the query heads that read one KV head
     qk_scale,                                # log2(e) / sqrt(D): scores go straight to exp2
-    sm_scale,                                # 1 / sqrt(D): dS is taken w.r.t. the scaled scores, dK = scale dS^T Q
+    sm_scale,                                # 1 / sqrt(D): dK = scale dS^T Q
     D: tl.constexpr,                         # head dimension, a power of two >= 16
     BLOCK_M: tl.constexpr,                   # queries per step of the loop
     BLOCK_N: tl.constexpr,                   # keys per program
@@ -293,16 +318,17 @@ def backward_dkdv_kernel(
 ):
     """One program: BLOCK_N keys of one (batch, KV head); dK and dV summed over every query that sees them."""
     block = tl.program_id(0)                             # which block of keys
-    bkv = tl.program_id(1)                               # which (batch, KV head)
+    bkv = tl.program_id(1)                               # which (batch, KV head): b * Hkv + kv_h
     b = bkv // kv_heads
     kv_h = bkv % kv_heads
     keys = block * BLOCK_N + tl.arange(0, BLOCK_N)       # [BLOCK_N] key indices
     cols = tl.arange(0, D)                               # [D]
     key_ok = keys < S
-    k = tl.load(k_ptr + b * stride_kb + kv_h * stride_kh + keys[:, None] * stride_ks + cols[None, :],
-                mask=key_ok[:, None], other=0.0)         # [BLOCK_N, D]
-    v = tl.load(v_ptr + b * stride_vb + kv_h * stride_vh + keys[:, None] * stride_vs + cols[None, :],
-                mask=key_ok[:, None], other=0.0)         # [BLOCK_N, D]
+    block_at = bkv * S * D + keys[:, None] * D + cols[None, :]                # [BLOCK_N, D] into k, v, dk and dv
+    k = tl.load(k_ptr + block_at, mask=key_ok[:, None], other=0.0)            # [BLOCK_N, D]
+    v = tl.load(v_ptr + block_at, mask=key_ok[:, None], other=0.0)            # [BLOCK_N, D]
+    kv_block = (k, v, keys)                                                   # what _dkdv_tile needs of this program
+    queries = (q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, S, offset, qk_scale, sm_scale)  # and of the queries
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     if CAUSAL:
@@ -314,48 +340,73 @@ def backward_dkdv_kernel(
         start = 0
         unmasked_from = 0
     for g in range(group):                               # the query heads of this KV head, summed in registers
-        h = kv_h * group + g
-        bh = b * kv_heads * group + h                    # (batch, query head) in lse and Δ
-        q_src = q_ptr + b * stride_qb + h * stride_qh
-        do_src = do_ptr + b * stride_dob + h * stride_doh
+        bh = (b * kv_heads + kv_h) * group + g           # query head kv_h * group + g of batch b
         for m0 in range(start, unmasked_from, BLOCK_M):  # on the diagonal: masked
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr + bh * T, delta_ptr + bh * T,
-                                dq_ptr + bh * T * D, m0, keys, offset, T, S, stride_qt, stride_dot, qk_scale, sm_scale,
-                                D, BLOCK_M, True, ATOMIC_DQ, DOT_PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, kv_block, queries, bh, m0, True, ATOMIC_DQ, D, BLOCK_M, DOT_PRECISION)
         for m0 in range(unmasked_from, T, BLOCK_M):      # after it: every key visible, no mask
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, lse_ptr + bh * T, delta_ptr + bh * T,
-                                dq_ptr + bh * T * D, m0, keys, offset, T, S, stride_qt, stride_dot, qk_scale, sm_scale,
-                                D, BLOCK_M, False, ATOMIC_DQ, DOT_PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, kv_block, queries, bh, m0, False, ATOMIC_DQ, D, BLOCK_M, DOT_PRECISION)
     dk = dk * sm_scale                                   # dK = scale dS^T Q, the scale applied once
-    out = bkv * S * D + keys[:, None] * D + cols[None, :]  # dk and dv are contiguous [B, Hkv, S, D]
-    tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(dk_ptr + block_at, dk.to(dk_ptr.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(dv_ptr + block_at, dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None])
+
+
+# dK/dV hold two [BLOCK_N, D] accumulators, so few queries per step. Unequal blocks on a CPU too, so that the
+# interpreter checks the causal bounds where BLOCK_M != BLOCK_N.
+dkdv_tuned = triton.autotune(
+    configs=_backward_configs([(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)], (16, 32)),
+    key=["T", "S", "D", "group", "CAUSAL", "ATOMIC_DQ"], reset_to_zero=["dq_ptr"],
+    prune_configs_by={"early_config_prune": _smallest_for_float32})(backward_dkdv_kernel)
+
+
+def backward_dkdv(q, k, v, do, lse, delta, query_offset=None, causal=True, blocks=None, dq=None):
+    """(dk, dv) shaped and typed like k and v, from backward_dkdv_kernel alone, given lse and Δ [B, Hq, T].
+
+    blocks = (BLOCK_M, BLOCK_N) launches those instead of the autotuned choice. dq, an FP32 [B, Hq, T, D] of
+    zeros, has the kernel also add dQ into it with atomics (ATOMIC_DQ); without it dQ is backward_dq's.
+    """
+    q, k, v, do, lse, delta, offset, qk_scale, sm_scale = _backward_inputs(q, k, v, do, lse, delta, query_offset)
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)                          # [B, Hkv, S, D]
+    atomic = dq is not None
+    dq = dq if atomic else torch.zeros(0, device=q.device, dtype=torch.float32)
+    # grid: maps the launch's configuration `meta` (meta["BLOCK_M"], meta["BLOCK_N"]) to (programs on axis 0, axis 1)
+    grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)  # noqa: E731  (key blocks, batch x KV head)
+    args = (q, k, v, do, lse, delta, dk, dv, dq, T, S, offset, Hkv, Hq // Hkv, qk_scale, sm_scale)
+    if blocks is None:
+        dkdv_tuned[grid](*args, D=D, CAUSAL=causal, ATOMIC_DQ=atomic)
+    else:
+        backward_dkdv_kernel[grid](*args, D=D, BLOCK_M=blocks[0], BLOCK_N=blocks[1], CAUSAL=causal, ATOMIC_DQ=atomic)
+    return dk, dv
 
 
 @triton.jit
 def _dq_tile(
-    dq,                                      # accumulator [BLOCK_M, D], FP32
-    q, do, lse2, delta,                      # the program's q, do [BLOCK_M, D]; lse in base 2 (+inf: P = 0) and Δ [BLOCK_M]
-    k_src, v_src,                            # this (batch, KV head)'s K and V at key 0
-    n0,                                      # first key of the tile
-    q_pos,                                   # [BLOCK_M] absolute query positions
-    S, stride_ks, stride_vs,                 # number of keys; K's and V's strides over keys
-    qk_scale,                                # log2(e) / sqrt(D)
+    dq,                                      # accumulator [BLOCK_M, D], FP32: the program's sum so far
+    q_block,                                 # (q, do [BLOCK_M, D], lse, Δ, positions [BLOCK_M]): the program's queries
+    keys_from,                               # where the key tiles are read from (see backward_dq_kernel)
+    bkv,                                     # the (batch, KV head) the program's query head reads: its row of k and v
+    n0,                                      # the tile's first key
+    MASKED: tl.constexpr,                    # True on the diagonal and the last tile: hide keys past S (and after
+                                             # each query if CAUSAL)
+    CAUSAL: tl.constexpr,                    # False: every query sees every key
     D: tl.constexpr,                         # head dimension
     BLOCK_N: tl.constexpr,                   # keys per tile
-    MASKED: tl.constexpr,                    # True on the diagonal and the last tile: hide keys past S (and after each query if CAUSAL)
-    CAUSAL: tl.constexpr,                    # False: every query sees every key
     DOT_PRECISION: tl.constexpr,             # tl.dot's input_precision for FP32 inputs
 ):
-    """dQ += dS K over the keys n0 .. n0 + BLOCK_N - 1. A key past S loads as 0, so its score is 0 and P = exp(-lse)
-    there, which overflows fp16 when lse is very negative (then inf times the key's 0 is NaN): a tile holding keys
-    past S is a MASKED one."""
-    keys = n0 + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
+    """dq + dS K (the scale comes at the end) over the keys n0 .. n0 + BLOCK_N - 1. A key past S loads as 0, so its
+    score is 0 and P = exp(-lse) there, which overflows fp16 when lse is very negative (then inf times the key's 0
+    is NaN): a tile holding keys past S is a MASKED one."""
+    q, do, lse, delta, q_pos = q_block
+    k_ptr, v_ptr, S, qk_scale = keys_from
+    keys = n0 + tl.arange(0, BLOCK_N)                    # [BLOCK_N] key indices
     cols = tl.arange(0, D)                               # [D]
     key_ok = keys < S
-    k = tl.load(k_src + keys[:, None] * stride_ks + cols[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-    v = tl.load(v_src + keys[:, None] * stride_vs + cols[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D]
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                          # [BLOCK_M, BLOCK_N]
+    tile = bkv * S * D + keys[:, None] * D + cols[None, :]                    # [BLOCK_N, D] into k and v
+    k = tl.load(k_ptr + tile, mask=key_ok[:, None], other=0.0)                # [BLOCK_N, D]
+    v = tl.load(v_ptr + tile, mask=key_ok[:, None], other=0.0)                # [BLOCK_N, D]
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)      # base 2; +inf: P = 0
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                          # [BLOCK_M, BLOCK_N] = Q K^T
     p = tl.math.exp2(s * qk_scale - lse2[:, None])                                     # P rebuilt from L
     if MASKED:
         visible = key_ok[None, :]
@@ -364,22 +415,19 @@ def _dq_tile(
         p = tl.where(visible, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)                        # [BLOCK_M, BLOCK_N] = dO V^T
     ds = p * (dp - delta[:, None])                                                     # dS = P ∘ (dP - Δ)
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)                  # dQ += dS K (scaled at the end)
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)                  # dQ += dS K
     return dq
 
 
 @triton.jit
 def backward_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,             # q and do [B, Hq, T, D], k and v [B, Hkv, S, D]
+    q_ptr, k_ptr, v_ptr, do_ptr,             # q and do [B, Hq, T, D], k and v [B, Hkv, S, D], contiguous
     lse_ptr, delta_ptr,                      # lse and Δ [B, Hq, T], FP32, contiguous
-    dq_ptr,                                  # dq like q, contiguous (the output)
-    stride_qb, stride_qh, stride_qt,         # q's strides over batch, head and query (D is contiguous)
-    stride_kb, stride_kh, stride_ks,         # k's strides over batch, KV head and key
-    stride_vb, stride_vh, stride_vs,         # v's strides over batch, KV head and key
-    stride_dob, stride_doh, stride_dot,      # do's strides over batch, head and query
+    dq_ptr,                                  # dq like q (the output)
     T, S,                                    # number of queries and of keys
     offset,                                  # absolute position of query 0 (query i sits at offset + i)
     q_heads,                                 # Hq: splits the grid's second axis into (batch, head)
+    kv_heads,                                # Hkv
     group,                                   # Hq // Hkv: query heads sharing one KV head
     qk_scale,                                # log2(e) / sqrt(D)
     sm_scale,                                # 1 / sqrt(D): dQ = scale dS K
@@ -391,24 +439,21 @@ def backward_dq_kernel(
 ):
     """One program: BLOCK_M queries of one (batch, head); the forward kernel's loop, with dQ as its sum."""
     block = tl.num_programs(0) - 1 - tl.program_id(0)   # the longest (last) query blocks first
-    bh = tl.program_id(1)                                # which (batch, query head)
+    bh = tl.program_id(1)                                # which (batch, query head): b * Hq + h
     b = bh // q_heads
     h = bh % q_heads
-    kv_h = h // group
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)       # [BLOCK_M] query indices
     cols = tl.arange(0, D)                               # [D]
     row_ok = rows < T
-    q_pos = offset + rows                                # [BLOCK_M] absolute positions
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + cols[None, :],
-                mask=row_ok[:, None], other=0.0)         # [BLOCK_M, D]
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_dot + cols[None, :],
-                 mask=row_ok[:, None], other=0.0)        # [BLOCK_M, D]
-    lse = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=float("-inf"))       # [BLOCK_M], natural log
-    delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)             # [BLOCK_M]
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # base 2; +inf where no key is seen
-    k_src = k_ptr + b * stride_kb + kv_h * stride_kh
-    v_src = v_ptr + b * stride_vb + kv_h * stride_vh
+    block_at = bh * T * D + rows[:, None] * D + cols[None, :]                 # [BLOCK_M, D] into q, do and dq
+    q = tl.load(q_ptr + block_at, mask=row_ok[:, None], other=0.0)           # [BLOCK_M, D]
+    do = tl.load(do_ptr + block_at, mask=row_ok[:, None], other=0.0)         # [BLOCK_M, D]
+    lse = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=float("-inf"))  # [BLOCK_M] natural log; -inf: P = 0
+    delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)        # [BLOCK_M] Δ
+    q_block = (q, do, lse, delta, offset + rows)                              # what _dq_tile needs of this program
+    keys_from = (k_ptr, v_ptr, S, qk_scale)                                   # and of the keys
     dq = tl.zeros((BLOCK_M, D), tl.float32)
+    bkv = b * kv_heads + h // group                      # GQA: query head h reads KV head h // group
     if CAUSAL:
         last_row = tl.minimum((block + 1) * BLOCK_M, T) - 1
         stop = tl.minimum(S, offset + last_row + 1)      # one past the last key the block's last query sees
@@ -418,41 +463,37 @@ def backward_dq_kernel(
         stop = S
         masked_from = (S // BLOCK_N) * BLOCK_N           # only the last tile, which may run past S, is masked
     for n0 in range(0, masked_from, BLOCK_N):            # below the diagonal: no mask
-        dq = _dq_tile(dq, q, do, lse2, delta, k_src, v_src, n0, q_pos, S, stride_ks, stride_vs, qk_scale,
-                      D, BLOCK_N, False, CAUSAL, DOT_PRECISION)
+        dq = _dq_tile(dq, q_block, keys_from, bkv, n0, False, CAUSAL, D, BLOCK_N, DOT_PRECISION)
     for n0 in range(masked_from, stop, BLOCK_N):         # on the diagonal (causal), the last tile (not)
-        dq = _dq_tile(dq, q, do, lse2, delta, k_src, v_src, n0, q_pos, S, stride_ks, stride_vs, qk_scale,
-                      D, BLOCK_N, True, CAUSAL, DOT_PRECISION)
+        dq = _dq_tile(dq, q_block, keys_from, bkv, n0, True, CAUSAL, D, BLOCK_N, DOT_PRECISION)
     dq = dq * sm_scale                                   # dQ = scale dS K, the scale applied once
-    tl.store(dq_ptr + bh * T * D + rows[:, None] * D + cols[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(dq_ptr + block_at, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _backward_configs(shapes, interpreted):
-    """triton.autotune's choices, (BLOCK_M, BLOCK_N, warps, stages) each; on a CPU one small pair of blocks."""
-    if runtime.current().interpret:
-        shapes = [(*interpreted, 4, 1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in shapes]
-
-
-def _smallest_for_float32(configs, named_args, **kwargs):
-    """FP32 inputs (true FP32 products, no tensor cores: run for correctness, not speed) take the smallest pair
-    of blocks alone; tuning them would compile every configuration again for each new shape, for nothing."""
-    if named_args["q_ptr"].dtype == torch.float32:
-        return [min(configs, key=lambda config: config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"])]
-    return configs
-
-
-# dK/dV hold two [BLOCK_N, D] accumulators, so few queries per step; dQ holds one [BLOCK_M, D], so few keys.
-# Unequal blocks on a CPU too, so that the interpreter checks the causal bounds where BLOCK_M != BLOCK_N.
-dkdv_tuned = triton.autotune(
-    configs=_backward_configs([(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)], (16, 32)),
-    key=["T", "S", "D", "group", "CAUSAL", "ATOMIC_DQ"], reset_to_zero=["dq_ptr"],
-    prune_configs_by={"early_config_prune": _smallest_for_float32})(backward_dkdv_kernel)
+# dQ holds one [BLOCK_M, D] accumulator, so many queries per program and few keys per step.
 dq_tuned = triton.autotune(
     configs=_backward_configs([(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)], (32, 16)),
     key=["T", "S", "D", "group", "CAUSAL"],
     prune_configs_by={"early_config_prune": _smallest_for_float32})(backward_dq_kernel)
+
+
+def backward_dq(q, k, v, do, lse, delta, query_offset=None, causal=True, blocks=None):
+    """dq shaped and typed like q, from backward_dq_kernel alone, given lse and Δ [B, Hq, T].
+
+    blocks = (BLOCK_M, BLOCK_N) launches those instead of the autotuned choice.
+    """
+    q, k, v, do, lse, delta, offset, qk_scale, sm_scale = _backward_inputs(q, k, v, do, lse, delta, query_offset)
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    dq = torch.empty_like(q)                                                   # [B, Hq, T, D]
+    # grid: maps the launch's configuration `meta` (meta["BLOCK_M"], meta["BLOCK_N"]) to (programs on axis 0, axis 1)
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)  # noqa: E731  (query blocks, batch x head)
+    args = (q, k, v, do, lse, delta, dq, T, S, offset, Hq, Hkv, Hq // Hkv, qk_scale, sm_scale)
+    if blocks is None:
+        dq_tuned[grid](*args, D=D, CAUSAL=causal)
+    else:
+        backward_dq_kernel[grid](*args, D=D, BLOCK_M=blocks[0], BLOCK_N=blocks[1], CAUSAL=causal)
+    return dq
 
 
 def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True, atomic_dq=False):
@@ -463,33 +504,17 @@ def flash_attention_backward(q, k, v, o, lse, do, query_offset=None, causal=True
     atomic_dq=True adds dq inside the dK/dV kernel with atomics instead of running the dQ kernel.
     """
     check_kernel_inputs(q, k, v)
-    B, Hq, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
     if tuple(o.shape) != tuple(q.shape) or tuple(do.shape) != tuple(q.shape):
         raise ValueError(f"o and do must be shaped like q {list(q.shape)}, got {list(o.shape)} and {list(do.shape)}")
-    if tuple(lse.shape) != (B, Hq, T):
-        raise ValueError(f"lse must be [B, Hq, T] = {[B, Hq, T]}, got {list(lse.shape)}")
-    offset = S - T if query_offset is None else int(query_offset)
-    # dkdv_grid and dq_grid: each maps the launch's configuration `meta` (meta["BLOCK_M"], meta["BLOCK_N"]) to the grid
-    dkdv_grid = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]), B * Hkv)  # noqa: E731  (key blocks, batch x KV head)
-    dq_grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * Hq)     # noqa: E731  (query blocks, batch x head)
-    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
-    lse = lse.float().contiguous()
-    delta = backward_delta(o, do)                                              # [B, Hq, T]
-    dk, dv = torch.empty_like(k), torch.empty_like(v)                          # [B, Hkv, S, D]
-    dq32 = torch.zeros(B, Hq, T, D if atomic_dq else 0, device=q.device, dtype=torch.float32)  # FP32 dq; empty if unused
-    strides = (q.stride(0), q.stride(1), q.stride(2),
-               k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2),
-               do.stride(0), do.stride(1), do.stride(2))
-    scale = 1.0 / math.sqrt(D)
-    dkdv_tuned[dkdv_grid](q, k, v, do, lse, delta, dk, dv, dq32, *strides, T, S, offset, Hkv, Hq // Hkv,
-                          LOG2E * scale, scale, D=D, CAUSAL=causal, ATOMIC_DQ=atomic_dq)
+    if tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"lse must be [B, Hq, T] = {list(q.shape[:3])}, got {list(lse.shape)}")
+    delta = backward_delta(o, do)                                                 # Part A: Δ [B, Hq, T]
     if atomic_dq:
+        dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)         # FP32 sums of every key block
+        dk, dv = backward_dkdv(q, k, v, do, lse, delta, query_offset, causal, dq=dq32)
         return dq32.to(q.dtype), dk, dv
-    dq = torch.empty_like(q)                                                   # [B, Hq, T, D]
-    dq_tuned[dq_grid](q, k, v, do, lse, delta, dq, *strides, T, S, offset, Hq, Hq // Hkv,
-                      LOG2E * scale, scale, D=D, CAUSAL=causal)
+    dk, dv = backward_dkdv(q, k, v, do, lse, delta, query_offset, causal)         # Part B
+    dq = backward_dq(q, k, v, do, lse, delta, query_offset, causal)               # Part C
     return dq, dk, dv
 
 
