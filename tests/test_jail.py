@@ -343,6 +343,10 @@ def aborts(x):
     if dist.get_rank() == 1:
         os.abort()
     return x
+
+
+def not_yet(x):
+    raise NotImplementedError("not yet")
 """
 
 
@@ -365,6 +369,15 @@ def test_a_rank_that_gloo_aborts_is_named_with_gloo_s_sizes(kernel):
                         "of 28 bytes arrived for a receive buffer of 24 bytes)"]}
     raised = call_on_two_ranks(kernel, "aborts")["raised"][1]
     assert raised.startswith("on rank 1 of 2: died without an answer") and "gloo" not in raised, raised
+
+
+def test_a_function_that_raises_at_once_on_every_rank_says_its_own_error(kernel):
+    """No rank calls the function before every rank holds its arguments, so the first rank's error does not come
+    while the grader waits for the next rank to take its own (which read as "did not take its arguments")."""
+    run(kernel, SHORT_RECEIVE)
+    for _ in range(3):
+        kind, message = call_on_two_ranks(kernel, "not_yet")["raised"]
+        assert kind == "NotImplementedError" and message.endswith(" of 2: not yet"), (kind, message)
 
 
 HELPER = """

@@ -9,7 +9,8 @@ It reads requests from IN_FD and answers on OUT_FD, in autograder/jail/inside/wi
     [global ranks]}: a child of this process starts P ranks of a process group and waits to be killed, while this
     process waits for it to end (ranks_call). Each rank joins the group, says {"ready": rank, "pid": ...}, then
     reads its own arguments {"args": ...} (sent while the grader lets that rank alone run, so no other process of
-    the jail ever holds them), says {"got": rank}, calls the function and answers {"rank": ..., "value": ...}
+    the jail ever holds them), says {"got": rank}, waits for every rank to have said so, calls the function and
+    answers {"rank": ..., "value": ...}
     or {"rank": ..., "raised": [...]}, the ranks one after another, then waits to be killed: the grader
     reads each rank's peak memory first (autograder/jail/sandbox.py, Jail.call_on_ranks). With a group, every
     rank makes it, and only its ranks call the function, with group= it.
@@ -206,11 +207,13 @@ def rank_main(function, rank: int, world_size: int, kwargs: dict, backend: str, 
         if group_ranks is not None:
             group = dist.new_group(list(group_ranks), sort_ranks=False)
             turns = dist.new_group(list(range(world_size)))   # the answers' turns: not the default group's collectives
+        dist.barrier(turns)   # its buffers made now, before the grader reads what the rank holds at its start
         wire.send(out_fd, {"ready": rank, "pid": os.getpid()})
         request, tensors = wire.receive(in_fd)
         args = wire.decode(request.get("args", {"list": []}), tensors)
         del request, tensors
         wire.send(out_fd, {"got": rank})
+        dist.barrier(turns)   # every rank holds its arguments: no rank's answer comes before the last "got"
         try:
             if group_ranks is None:
                 value = function(*args, **kwargs)
