@@ -64,7 +64,7 @@ import torch
 
 from flashcourse.checks import core as ac
 from flashcourse.checks import reference
-from flashcourse.checks.core import Case
+from flashcourse.checks.core import Case, full_matrix_error
 from flashcourse.positions import positions
 
 LN2 = math.log(2.0)
@@ -891,12 +891,8 @@ def check_backward_memory(fn: Callable, case: Case, tile_arg: str = "tile") -> N
         result = fn(case.q, case.k, case.v, o, lse, do, **case.kwargs)
     too_big = tracker.created(t * s)
     if too_big:
-        biggest = max(too_big, key=lambda a: a.numel)
-        raise AssertionError(
-            f"{what}, {case.describe()}: created a {biggest.dtype} tensor of shape {list(biggest.shape)} "
-            f"({biggest.numel} elements, from {biggest.op}), as large as the whole [T, S] = [{t}, {s}] matrix of "
-            f"P. Rebuild P = exp(S - lse) one key tile at a time ([.., {case.kwargs.get(tile_arg)}] keys) and never "
-            "keep it whole.")
+        raise full_matrix_error(what, case, too_big, "matrix of P", "Rebuild P = exp(S - lse) one key tile at a time "
+                                f"([.., {case.kwargs.get(tile_arg)}] keys) and never keep it whole.")
     if recognise_gradients(result, case, do) is None:
         raise AssertionError(f"{what}, {case.describe()}: the gradients are neither autograd's nor a recognised "
                              "mistake's, so their memory use is not graded.")

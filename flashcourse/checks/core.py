@@ -481,6 +481,16 @@ def recognise(got, case: Case, tile: int | None = None) -> str | None:
     return bugs[0] if bugs else None
 
 
+def full_matrix_error(what: str, case: Case, too_big: list, matrix: str, advice: str) -> AssertionError:
+    """The failure of a call that created tensors `too_big` (AllocationTracker.created) as large as a whole
+    [T, S] matrix of one head: the largest of them, and `advice` on how to keep only a tile of it."""
+    t, s = case.q.shape[2], case.k.shape[2]
+    biggest = max(too_big, key=lambda a: a.numel)
+    return AssertionError(f"{what}, {case.describe()}: created a {biggest.dtype} tensor of shape {list(biggest.shape)} "
+                          f"({biggest.numel} elements, from {biggest.op}), as large as the whole [T, S] = [{t}, {s}] "
+                          f"{matrix}. {advice}")
+
+
 def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
     """fn must compute attention without creating a tensor of T * S elements or more (scores, or a mask).
 
@@ -501,12 +511,8 @@ def check_no_full_scores(fn: Callable, case: Case, tile_arg: str = "tile") -> No
         got = case.call(fn)
     too_big = tracker.created(t * s, floating=False)   # a [T, S] boolean mask too: the probe from outside counts it
     if too_big:
-        biggest = max(too_big, key=lambda a: a.numel)
-        raise AssertionError(
-            f"{what}, {case.describe()}: created a {biggest.dtype} tensor of shape {list(biggest.shape)} "
-            f"({biggest.numel} elements, from {biggest.op}), as large as the whole [T, S] = [{t}, {s}] score "
-            f"matrix. Compute the scores and the mask one key tile at a time ([.., T, {case.kwargs.get(tile_arg)}] "
-            "each) and never keep them all.")
+        raise full_matrix_error(what, case, too_big, "score matrix", "Compute the scores and the mask one key tile "
+                                f"at a time ([.., T, {case.kwargs.get(tile_arg)}] each) and never keep them all.")
     if recognise(got, case, case.kwargs.get(tile_arg)) is None:
         raise AssertionError(f"{what}, {case.describe()}: the output is not attention (it matches neither the "
                              "reference nor any recognised mistake), so its memory use is not graded.")
