@@ -129,10 +129,11 @@ def _regions(maps: str, library: str, watched: list) -> tuple:
                 low, high = max(low, offset), min(high, offset + end - start)
                 if low < high:
                     where.append((start + low - offset, start + high - offset))
-    return _merged(where), sorted(every)
+    return merged_ranges(where), sorted(every)
 
 
-def _merged(ranges: list) -> list:
+def merged_ranges(ranges: list) -> list:
+    """[(start, end), ...] sorted, overlapping ranges joined (watch.py reads ranges the same way)."""
     out: list = []
     for start, end in sorted(ranges):
         if out and start <= out[-1][1]:

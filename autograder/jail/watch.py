@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from autograder.jail.sampler import merged_ranges
+
 SAMPLER = Path(__file__).resolve().parent / "sampler.py"
 MEAN_INTERVAL_S = 0.005      # the sampler's mean interval: 200 samples a second of the call
 START_TIMEOUT_S = 30
@@ -290,7 +292,7 @@ class Elf:
         fused = (at >= 0) & (functions["name"].astype(np.int64) <= ends[np.maximum(at, 0)])
         # A function the linker folded with another of the same code has both names: it is not the kernels' own.
         others = set(functions["value"][~fused].tolist())
-        return _merged([(int(v), int(v) + int(n)) for v, n in zip(functions["value"][fused], functions["size"][fused])
+        return merged_ranges([(int(v), int(v) + int(n)) for v, n in zip(functions["value"][fused], functions["size"][fused])
                         if int(v) not in others])
 
     def offsets(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -301,7 +303,7 @@ class Elf:
                 low, high = max(start, vaddr), min(end, vaddr + size)
                 if low < high:
                     out.append((offset + low - vaddr, offset + high - vaddr))
-        return _merged(out)
+        return merged_ranges(out)
 
     def address(self, offset: int) -> int | None:
         """The virtual address of a file offset, within a loadable segment."""
@@ -314,16 +316,6 @@ class Elf:
         with open(self.path, "rb") as f:
             f.seek(offset)
             return f.read(count)
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 def _in(ranges: list[tuple[int, int]], address: int) -> bool:
