@@ -40,6 +40,7 @@ LAST_GAP_2 = "flashcourse/bench/measured/fast_last_gap_2.json"        # 05's giv
 HOPPER = "flashcourse/bench/measured/fast_hopper.json"              # 08: hopper_attention (Gluon) on the prefill grid
 HOPPER_REPORT = "benchmarks/results/2026-12-01-h200-hopper-gluon.md"  # 08: the same run, and the versions before it
 FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given steps: decode in one launch against two
+TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GPT from three seeds, three attentions
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -404,6 +405,11 @@ FIGURES: dict[str, Figure] = {
     "hopper.v5.cudnn_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 3)),
     "hopper.v5.causal_2k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 6)),
     "hopper.v5.one_per_item_2k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 7)),
+    "training.seeds.from_step": Figure(TRAINING_SEEDS, lambda d: d["from_step"]),
+    "training.seeds.course_gap_max": Figure(TRAINING_SEEDS, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
+    "training.seeds.torch_gap_max": Figure(TRAINING_SEEDS,
+                                           lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
+    "training.seeds.sdpa_range": Figure(TRAINING_SEEDS, lambda d: d["sdpa_seed_range"], 2),
     "fused.over_two_min": Figure(FUSED, lambda d: min(_fused_over_two(d)), 2),
     "fused.over_two_max": Figure(FUSED, lambda d: max(_fused_over_two(d)), 2),
     "fused.tbs_8k": Figure(FUSED, lambda d: _decode(d, 1, 8192, "decode_fused")["fused_decode"], 2),
