@@ -54,7 +54,10 @@ def test_blank_release_runs_until_the_first_exercise(assignment, tmp_path):
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     code = [c for c in nb.cells if c.cell_type == "code"]
     first_exercise = next((i for i, c in enumerate(code) if c.metadata.get("nbgrader", {}).get("solution")), len(code))
-    raised = [(i, o.ename, c.source.split("\n", 1)[0]) for i, c in enumerate(code)
+    # A stub kernel raises its NotImplementedError inside Triton's interpreter, which reports it as an
+    # InterpreterError wrapping it (its value is the NotImplementedError's repr).
+    raised = [(i, "NotImplementedError" if o.ename == "InterpreterError" and o.evalue.startswith("NotImplementedError(")
+               else o.ename, c.source.split("\n", 1)[0]) for i, c in enumerate(code)
               for o in c.outputs if o.output_type == "error"]
     assert not [r for r in raised if r[0] < first_exercise], f"{assignment}: raises before the first exercise: {raised}"
     given = [r for r in raised if not is_test_cell(code[r[0]])]
