@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -126,25 +127,29 @@ def test_cluster_grades_equal_local_grades(local_run, tmp_path):
     assert "l is not multiplied by alpha" in feedback.read_text()
 
 
-def _grade_in_background(submissions: Path, out: Path, address: str) -> tuple[threading.Thread, dict]:
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(
-        outcomes=grade.grade(submissions, out, progress=False, scheduler=address)))
-    thread.start()
-    return thread, result
+def _grade_killing_workers(tmp_path: Path, student: str, workers: list[str], kills: int, wait_s: float):
+    """Grade `student`'s 01 on a cluster of `workers`, killing `kills` of them in turn, each while it grades the
+    notebook, then waiting up to wait_s for the grade: (its outcome, the killed workers, those still running)."""
+    submissions = _submissions(tmp_path / "submitted", [student])
+    with dask_cluster(tmp_path / "cluster", workers) as (address, processes):
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(
+            outcomes=grade.grade(submissions, tmp_path / "grades", progress=False, scheduler=address)))
+        thread.start()
+        killed = []
+        for _ in range(kills):
+            killed.append(_kill_when_grading(address, processes, spare=set(killed)))
+        thread.join(timeout=wait_s)
+        running = {name for name, p in processes.items() if p.poll() is None}
+    [outcome] = result["outcomes"]
+    return outcome, killed, running
 
 
 def test_killed_worker_notebook_is_graded_by_the_other(tmp_path):
     """A worker killed mid-notebook: the scheduler runs the task again on the other worker, and the grade is right."""
     student = "bug_l_not_rescaled"
-    submissions = _submissions(tmp_path / "submitted", [student])
-    with dask_cluster(tmp_path / "cluster", ["w1", "w2"]) as (address, workers):
-        thread, result = _grade_in_background(submissions, tmp_path / "grades", address)
-        killed = _kill_when_grading(address, workers, spare=set())
-        thread.join(timeout=300)
-        assert workers[killed].poll() is not None
-        assert all(p.poll() is None for name, p in workers.items() if name != killed)
-    [outcome] = result["outcomes"]
+    outcome, [killed], running = _grade_killing_workers(tmp_path, student, ["w1", "w2"], kills=1, wait_s=300)
+    assert running == {"w1", "w2"} - {killed}   # the killed worker is gone, the other one still runs
     assert outcome.problem == ""
     auto = {s.question: s.points for s in outcome.scores if s.kind == "auto"}
     assert auto == expected_scores()[ASSIGNMENT][student]
@@ -154,13 +159,7 @@ def test_killed_worker_notebook_is_graded_by_the_other(tmp_path):
 def test_notebook_whose_workers_all_die_is_reported(tmp_path):
     """A notebook whose worker dies twice gets zero and a line in the summary, not nothing."""
     student = "alt_correct"
-    submissions = _submissions(tmp_path / "submitted", [student])
-    with dask_cluster(tmp_path / "cluster", ["w1", "w2"]) as (address, workers):
-        thread, result = _grade_in_background(submissions, tmp_path / "grades", address)
-        first = _kill_when_grading(address, workers, spare=set())
-        _kill_when_grading(address, workers, spare={first})
-        thread.join(timeout=120)
-    [outcome] = result["outcomes"]
+    outcome, _, _ = _grade_killing_workers(tmp_path, student, ["w1", "w2"], kills=2, wait_s=120)
     assert "the worker grading it died, 2 times" in outcome.problem
     assert outcome.scores and not any(s.points for s in outcome.scores)
     summary = (tmp_path / "grades" / "summary.txt").read_text()
@@ -172,12 +171,7 @@ def test_notebook_whose_workers_all_die_is_reported(tmp_path):
 def test_notebooks_are_reported_when_no_worker_is_left(tmp_path, monkeypatch):
     """The only worker dies mid-notebook: once no worker has been left for WORKER_WAIT_S, the student is reported."""
     monkeypatch.setattr(cluster, "WORKER_WAIT_S", 5)
-    submissions = _submissions(tmp_path / "submitted", ["blank"])
-    with dask_cluster(tmp_path / "cluster", ["w1"]) as (address, workers):
-        thread, result = _grade_in_background(submissions, tmp_path / "grades", address)
-        _kill_when_grading(address, workers, spare=set())
-        thread.join(timeout=120)
-    [outcome] = result["outcomes"]
+    outcome, _, _ = _grade_killing_workers(tmp_path, "blank", ["w1"], kills=1, wait_s=120)
     assert outcome.problem == "not graded: no Dask worker was left for 5 s"
     assert outcome.scores and not any(s.points for s in outcome.scores)
 
@@ -237,10 +231,31 @@ def test_worker_with_another_course_refuses(jailless_worker):
     digest = cluster.course_digest()
     digest["autograder/hidden/online_softmax.py"] = "0" * 64
     with Client(jailless_worker) as client:
-        outcome, files, _ = client.submit(cluster.grade_on_worker, "s", ASSIGNMENT, b"{}", b"", [("q", "auto", 1.0)],
-                                          None, False, digest, pure=False).result()
+        outcome, files, _, _ = client.submit(cluster.grade_on_worker, "s", ASSIGNMENT, b"{}", b"", [("q", "auto", 1.0)],
+                                             None, False, digest, pure=False).result()
     assert "worker w1 has another version of the course (autograder/hidden/online_softmax.py differ" in outcome.problem
     assert files == {} and [s.points for s in outcome.scores] == [0.0]
+
+
+def test_grading_alone_waits_for_every_other_grading(tmp_path, monkeypatch):
+    """A worker whose jails cannot be kept apart grades under one lock per user and machine: a second thread, with
+    a file descriptor of its own as another worker process would have, waits until the first is done."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    events = []
+
+    def grade(name):
+        with cluster._one_at_a_time():
+            events.append(f"{name} starts")
+            time.sleep(0.3)
+            events.append(f"{name} ends")
+
+    threads = [threading.Thread(target=grade, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    first, second = events[0].split()[0], events[2].split()[0]
+    assert events == [f"{first} starts", f"{first} ends", f"{second} starts", f"{second} ends"], events
 
 
 @pytest.mark.parametrize("name", ["../x.html", "/etc/passwd", "feedback/../../x", "templates/x.db", "feedback"])

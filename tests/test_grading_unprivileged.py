@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from autograder import ROOT
-from autograder.jail import sandbox as jail
+from autograder.jail import delegate, sandbox as jail
 from test_grading_robustness import ASSIGNMENT, CASES, _fingerprint, _write
 
 pytestmark = [pytest.mark.slow,
@@ -116,9 +116,10 @@ def _work_attacks(which: str) -> dict:
 
 
 @pytest.mark.parametrize("which", ["kernels and memory", "ring"])
-def test_points_need_the_work_for_an_ordinary_user(which):
+def test_points_need_the_work_for_an_ordinary_user(which, delegated_cgroups):
     """Graded by an ordinary user, each shortcut to a kernel, memory or ring point scores what it scores as root,
-    and each honest variant keeps full marks."""
+    and each honest variant keeps full marks. Where a cgroup can be delegated to the user (as the course's image
+    does), the grader starts in it, so its jails are kept apart and it grades two notebooks at once."""
     import json
 
     cases = _work_attacks(which)
@@ -133,7 +134,8 @@ def test_points_need_the_work_for_an_ordinary_user(which):
         env = {**os.environ, "HOME": str(work), "JUPYTER_RUNTIME_DIR": str(work / "runtime")}
         run = subprocess.run(_as_ordinary_user([sys.executable, "-m", "autograder", "grade", str(work / "submitted"),
                                                 "--out", str(work / "out"), "--jobs", "2"], work),
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+                             preexec_fn=(lambda: delegate.enter(delegated_cgroups)) if delegated_cgroups else None)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         got = {}
         for line in (work / "out" / "grades.csv").read_text().splitlines()[1:]:

@@ -41,6 +41,21 @@ def ask_measured(kernel: jail.Jail, child: int, name: str, *args) -> dict:
     return kernel.ask_child(child, request, None, time.monotonic() + 60)[0]
 
 
+def check_a_measured_call(kernel: jail.Jail, name: str, arg, check, refused: bool, refusal: type[Exception],
+                          match: str) -> None:
+    """The notebook's function `name`(arg), called in a measured child allowed 256 MiB above the kernel's start,
+    answers arg; then `check` (one of the kernel's checks) on the child raises `refusal` matching `match` when
+    `refused`, and nothing when not."""
+    with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
+        answer = ask_measured(kernel, child, name, arg)
+        assert answer.get("value") == wire.encode(arg, {}), answer
+        if refused:
+            with pytest.raises(refusal, match=match):
+                check(child)
+        else:
+            check(child)
+
+
 @pytest.fixture(scope="module")
 def kernel(start):
     started = start()
@@ -181,14 +196,9 @@ def test_memory_made_usable_inside_a_reservation_is_counted(start, mib, refused)
     kernel = start()
     run(kernel, MPROTECT_RESERVATION)
     kernel.start_size = jail.vm_size(kernel.pid)   # as if the runner's start-up had made the reservation
-    with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
-        answer = ask_measured(kernel, child, "spend", mib)
-        assert answer.get("value") == wire.encode(mib, {}), answer   # the address-space limit let it through
-        if refused:
-            with pytest.raises(jail.MeasurementRefused, match="resident at its peak"):
-                kernel.check_resident(child)
-        else:
-            kernel.check_resident(child)
+    # Answered either way: the address-space limit lets it through; only its resident peak can refuse it.
+    check_a_measured_call(kernel, "spend", mib, kernel.check_resident, refused, jail.MeasurementRefused,
+                          "resident at its peak")
     kernel.close()
 
 
@@ -403,14 +413,8 @@ def test_a_process_woken_during_a_measured_call_is_seen(start, seconds, refused)
     stays there does not."""
     kernel = start()
     run(kernel, HELPER)
-    with kernel.measured_child(kernel.start_size + (256 << 20), time.monotonic() + 60) as child:
-        answer = ask_measured(kernel, child, "wake", seconds)
-        assert answer.get("value") == wire.encode(seconds, {}), answer
-        if refused:
-            with pytest.raises(jail.NotAlone, match="ran during the measured call"):
-                kernel.check_alone(child)
-        else:
-            kernel.check_alone(child)
+    check_a_measured_call(kernel, "wake", seconds, kernel.check_alone, refused, jail.NotAlone,
+                          "ran during the measured call")
     kernel.close()
 
 

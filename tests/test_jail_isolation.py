@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from autograder import ROOT
-from autograder.jail import cgroups, sandbox as jail
+from autograder.jail import cgroups, delegate, sandbox as jail
 from test_grading_robustness import ASSIGNMENT, BUGGY, CORRECT, FULL, NOTEBOOK, WRONG, _write, in_tile_update, with_cell
-from test_grading_unprivileged import _as_ordinary_user
+from test_grading_unprivileged import UNPRIVILEGED, _as_ordinary_user
 
 pytestmark = pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
 needs_cgroups = pytest.mark.skipif(cgroups.place() is None, reason=f"no per-jail cgroup here: {cgroups.why_not()}")
@@ -81,7 +81,26 @@ def test_memfd_memory_is_the_jails_own(started):
     assert any("memory" in hit for hit in started.hits), started.hits
 
 
-def _grade(as_user: bool, jobs: int = 3) -> tuple[dict, str]:
+@needs_cgroups
+def test_the_images_entrypoint_delegates_a_cgroup_then_drops_to_the_user(delegated_cgroups):
+    """`python -m autograder.jail.delegate --user U -- CMD` (the Dockerfile's entrypoint), run as root: CMD runs as U,
+    inside groups U owns, where it can make each jail's groups."""
+    if os.geteuid() != 0:
+        pytest.skip("the entrypoint delegates only when started as root")
+    show = ("import os; from autograder.jail import cgroups; "
+            "print(os.getuid(), os.getgid(), os.getgroups(), cgroups.place() is not None)")
+    env = {k: v for k, v in os.environ.items() if k != cgroups.PLACE_ENV}
+    readable = _as_ordinary_user([], Path("/tmp"))          # the course and Python made readable to the user...
+    readable = readable[:readable.index("/usr/bin/setpriv")]  # ...who the entrypoint itself becomes
+    run = subprocess.run([*readable, sys.executable, "-m", "autograder.jail.delegate", "--user", str(UNPRIVILEGED),
+                          "--", sys.executable, "-c", show], cwd="/", env={**env, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == [str(UNPRIVILEGED), str(UNPRIVILEGED), "[]", "True"], run.stdout + run.stderr
+
+
+def _grade(as_user: bool, jobs: int = 3, delegated: list[Path] | None = None) -> tuple[dict, str]:
+    """Grade STUDENTS side by side; with `delegated`, the grader starts inside those groups (delegate.enter)."""
     work = Path(tempfile.mkdtemp(prefix="flashcourse-isolation-", dir="/tmp"))
     try:
         for student, (notebook, _) in STUDENTS.items():
@@ -96,7 +115,8 @@ def _grade(as_user: bool, jobs: int = 3) -> tuple[dict, str]:
         argv = [sys.executable, "-m", "autograder", "grade", str(work / "submitted"), "--out", str(work / "out"),
                 "--jobs", str(jobs)]
         run = subprocess.run(_as_ordinary_user(argv, work) if as_user else argv, cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=900)
+                             capture_output=True, text=True, timeout=900,
+                             preexec_fn=(lambda: delegate.enter(delegated)) if delegated else None)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         got: dict[str, dict[str, float]] = {}
         for line in (work / "out" / "grades.csv").read_text().splitlines()[1:]:
@@ -109,20 +129,23 @@ def _grade(as_user: bool, jobs: int = 3) -> tuple[dict, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("who", ["root", "ordinary user"])
-def test_a_crowding_neighbour_moves_no_grade(who):
+@pytest.mark.parametrize("who", ["root", "ordinary user", "ordinary user delegated a cgroup"])
+def test_a_crowding_neighbour_moves_no_grade(who, request):
     """Graded side by side with a notebook holding all the processes it may and one filling memfds, an honest
     notebook that starts processes keeps its full score; the summary names what hit its own limits, or says
     that notebooks were graded one at a time where jails cannot be kept apart."""
-    as_user = who == "ordinary user"
-    if os.geteuid() != 0 and not as_user:
+    as_user = who.startswith("ordinary user")
+    if os.geteuid() != 0 and who != "ordinary user":
         pytest.skip("needs a root grader")
-    got, summary = _grade(as_user)
+    delegated = request.getfixturevalue("delegated_cgroups") if "delegated" in who else None
+    if "delegated" in who and delegated is None:
+        pytest.skip(f"no cgroup to delegate here: {cgroups.why_not()}")
+    got, summary = _grade(as_user, delegated=delegated)
     assert got["b_honest_neighbour"] == FULL, (got, summary)
     for student, (_, points) in STUDENTS.items():
         assert got[student] == points, (student, got[student], summary)
     assert "b_honest_neighbour" not in summary, summary
-    apart = cgroups.place() is not None and not as_user  # the test's ordinary user is delegated no cgroup
+    apart = cgroups.place() is not None and (not as_user or delegated is not None)
     lines = summary.splitlines()
     if apart:
         assert any("a_holds_processes" in line and "limit of 256 processes" in line for line in lines), summary

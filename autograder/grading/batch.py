@@ -23,11 +23,14 @@ DIR receives grades.csv (one row per student, assignment and question), feedback
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+
+from flashcourse import DEVICE_ENV
 
 from autograder.building.build import assignments as known_assignments
 from autograder.building.build import graded_assignments
@@ -79,6 +82,12 @@ def longest_first(job: tuple[str, str, Path]) -> tuple[int, str]:
     return rank, student
 
 
+# What the memory points do not see when notebooks run on a GPU (README, "What 03's memory point proves").
+ON_A_GPU = ("graded on a GPU (--device cuda): 03's and 06's memory points measure and watch the call's process on "
+            "the CPU only, so memory held on the GPU and time in CUDA's fused attention are seen by neither probe; "
+            "grade on a CPU (the default) for those points to prove what they say")
+
+
 def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
           cell_timeout: int | None = None, trusted: bool = False, scheduler: str | None = None) -> list[Outcome]:
     """Grade every student of every assignment under `submissions`; write grades, feedback and summary to `out`.
@@ -116,17 +125,21 @@ def grade(submissions: Path, out: Path, jobs: int = 2, progress: bool = True,
 
         graded = grade_on_cluster(scheduler, todo, templates, asked, out, jobs, cell_timeout, trusted)
     else:
-        graded = ((outcome, no_jail) for outcome in _grade_here(todo, templates, asked, out, jobs, cell_timeout, trusted))
-    unjailed = set()
+        graded = ((outcome, no_jail, None) for outcome in _grade_here(todo, templates, asked, out, jobs, cell_timeout, trusted))
+    unjailed, alone = set(), set()
     with tqdm(total=len(todo), desc="grading", unit="notebook", disable=not progress, file=sys.stdout) as bar:
-        for outcome, why in graded:
+        for outcome, why, why_alone in graded:
             outcomes.append(outcome)
             unjailed |= {why} - {None}
+            alone |= {why_alone} - {None}
             bar.set_postfix_str(f"{outcome.student}/{outcome.assignment}")
             bar.update()
     outcomes.sort(key=lambda o: (o.assignment, o.student))
     write_csv(outcomes, out / "grades.csv")
-    (out / "summary.txt").write_text(summary(outcomes, "; ".join(sorted(unjailed)) or None, apart))
+    notes = sorted(({apart} | alone) - {None})
+    if os.environ.get(DEVICE_ENV) == "cuda":
+        notes.append(ON_A_GPU)
+    (out / "summary.txt").write_text(summary(outcomes, "; ".join(sorted(unjailed)) or None, notes))
     return outcomes
 
 
@@ -153,16 +166,15 @@ def write_csv(outcomes: list[Outcome], path: Path) -> None:
             writer.writerow([s.student, s.assignment, s.question, s.kind, f"{s.points:g}", f"{s.max_points:g}"])
 
 
-def summary(outcomes: list[Outcome], no_jail: str | None = None, apart: str | None = None) -> str:
-    """What went wrong, one line per student, notebook and anomaly, in plain words; `apart` says why notebooks
-    were graded one at a time, if they were."""
+def summary(outcomes: list[Outcome], no_jail: str | None = None, notes: list[str] = ()) -> str:
+    """What went wrong, one line per student, notebook and anomaly, in plain words; `notes` are the grader's own
+    (why notebooks were graded one at a time, what a GPU grader does not watch)."""
     lines = [f"- {o.student}, {o.assignment}: {what}" for o in outcomes for what in [o.problem, *o.anomalies] if what]
     normal = sum(not o.problem and not o.anomalies for o in outcomes)
     head = f"{normal} of {len(outcomes)} notebooks graded normally."
     if no_jail:
         head += ("\nWarning: these notebooks were run WITHOUT a jail, as trusted notebooks (--trusted): " + no_jail)
-    if apart:
-        head += f"\nNote: {apart}."
+    head += "".join(f"\nNote: {note}." for note in notes)
     return head + ("\nProblems:\n" + "\n".join(lines) if lines else " No problems.") + "\n"
 
 

@@ -19,8 +19,11 @@ with it, see the README). After that the student gets zero and a line in the sum
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -63,15 +66,30 @@ def _worker_name() -> str:
     return str(worker.name) if worker.name is not None else worker.address
 
 
+@contextlib.contextmanager
+def _one_at_a_time():
+    """Hold this machine's grading lock of this user (a file lock: every thread and worker process of the user
+    waits on it), for a worker whose jails cannot be kept apart."""
+    fd = os.open(Path(tempfile.gettempdir()) / f"flashcourse-grading-{os.geteuid()}.lock",
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def grade_on_worker(student: str, assignment: str, notebook: bytes, template: bytes,
                     questions: list[tuple[str, str, float]], cell_timeout: int | None, trusted: bool,
-                    digest: dict[str, str] | None) -> tuple[Outcome, dict[str, bytes], str | None]:
-    """Runs on a worker: grade one notebook in a scratch folder; (outcome, result files by path, why unjailed).
+                    digest: dict[str, str] | None) -> tuple[Outcome, dict[str, bytes], str | None, str | None]:
+    """Runs on a worker: grade one notebook in a scratch folder; (outcome, result files by path, why unjailed,
+    why graded alone).
 
     `digest` is the instructor's course_digest(), None where the worker reads the instructor's own files
     (a local cluster). The files are keyed "<kind>/<path inside the student's folder>"; they are left
-    out, with an anomaly, when together they exceed MAX_RESULT_BYTES. The last item is why this
-    worker had no jail when it graded as --trusted, else None.
+    out, with an anomaly, when together they exceed MAX_RESULT_BYTES. The third item is why this
+    worker had no jail when it graded as --trusted, else None; the last, why it graded this notebook alone
+    (its jails cannot be kept apart: jail.isolation), else None.
     """
     from distributed import get_worker
 
@@ -80,12 +98,16 @@ def grade_on_worker(student: str, assignment: str, notebook: bytes, template: by
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         return zeros(student, assignment, questions, f"not graded: worker {where} has another version of the course "
-                     f"({shown} differ from the instructor's); give it the same course to grade with"), {}, None
+                     f"({shown} differ from the instructor's); give it the same course to grade with"), {}, None, None
     no_jail = jail.why_no_jail()
     if no_jail and not trusted:
         return zeros(student, assignment, questions, f"not graded: learners' notebooks are only run in a jail, "
-                     f"and worker {where} cannot build one: {no_jail}"), {}, None
-    with tempfile.TemporaryDirectory(prefix="flashcourse-task-", dir=get_worker().local_directory) as tmp:
+                     f"and worker {where} cannot build one: {no_jail}"), {}, None, None
+    shared = None if no_jail else jail.isolation()
+    alone = (f"worker {where} graded one notebook at a time, since its jails cannot be kept apart ({shared})"
+             if shared else None)
+    with _one_at_a_time() if shared else contextlib.nullcontext(), \
+            tempfile.TemporaryDirectory(prefix="flashcourse-task-", dir=get_worker().local_directory) as tmp:
         scratch = Path(tmp)
         submitted = scratch / "submitted" / f"{assignment}.ipynb"
         submitted.parent.mkdir()
@@ -105,7 +127,7 @@ def grade_on_worker(student: str, assignment: str, notebook: bytes, template: by
             outcome.anomalies.append(f"the autograded notebook and feedback were not kept: {size >> 20} MiB, over "
                                      f"the {MAX_RESULT_BYTES >> 20} MiB limit")
             files = {}
-    return outcome, files, no_jail
+    return outcome, files, no_jail, alone
 
 
 def write_results(out: Path, student: str, assignment: str, files: dict[str, bytes]) -> None:
@@ -150,8 +172,9 @@ def _cancel_when_no_worker(client, futures: dict, stop: threading.Event) -> None
 
 def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], templates: dict[str, Path],
                      asked: dict[str, list[tuple[str, str, float]]], out: Path, jobs: int,
-                     cell_timeout: int | None, trusted: bool) -> Iterator[tuple[Outcome, str | None]]:
-    """Grade each (student, assignment, notebook) of `todo` on the cluster; yield (outcome, why a worker had no jail).
+                     cell_timeout: int | None, trusted: bool) -> Iterator[tuple[Outcome, str | None, str | None]]:
+    """Grade each (student, assignment, notebook) of `todo` on the cluster; yield (outcome, why a worker had no jail,
+    why it graded the notebook alone).
 
     Results are written into `out` as they arrive. Notebooks are read here and sent a few at a time,
     so that a large class does not sit in memory at once. Once no worker has been left for
@@ -175,7 +198,7 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
         tasks, futures = {}, {}
         threading.Thread(target=_cancel_when_no_worker, args=(client, futures, stop), daemon=True).start()
 
-        def send() -> Iterator[tuple[Outcome, str | None]]:
+        def send() -> Iterator[tuple[Outcome, str | None, str | None]]:
             """Submit notebooks until each worker thread has a few; yield the outcome of those that cannot be read."""
             ahead = IN_FLIGHT_PER_THREAD * max(1, sum(client.nthreads().values()))  # workers may join or leave
             while running.count() < ahead:
@@ -185,7 +208,7 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
                 try:
                     submitted = read_submission(notebook)
                 except (OSError, ValueError) as error:
-                    yield zeros(student, assignment, asked[assignment], unreadable(notebook, error)), None
+                    yield zeros(student, assignment, asked[assignment], unreadable(notebook, error)), None, None
                     continue
                 future = client.submit(grade_on_worker, student, assignment, submitted, gradebooks[assignment],
                                        asked[assignment], cell_timeout, trusted, course_digest() if remote else None,
@@ -199,19 +222,20 @@ def grade_on_cluster(scheduler: str, todo: list[tuple[str, str, Path]], template
         for future in running:
             student, assignment = tasks.pop(future.key)
             futures.pop(future.key)
+            unjailed = alone = None
             try:
-                outcome, files, unjailed = future.result()
+                outcome, files, unjailed, alone = future.result()
                 write_results(out, student, assignment, files)
             except KilledWorker:
-                outcome, unjailed = zeros(student, assignment, asked[assignment],
-                                          f"not graded: the worker grading it died, {ALLOWED_FAILURES + 1} times"), None
+                outcome = zeros(student, assignment, asked[assignment],
+                                f"not graded: the worker grading it died, {ALLOWED_FAILURES + 1} times")
             except FutureCancelledError:
-                outcome, unjailed = zeros(student, assignment, asked[assignment],
-                                          f"not graded: no Dask worker was left for {WORKER_WAIT_S} s"), None
+                outcome = zeros(student, assignment, asked[assignment],
+                                f"not graded: no Dask worker was left for {WORKER_WAIT_S} s")
             except Exception as error:  # a grader fault must not lose the other students' grades
-                outcome, unjailed = zeros(student, assignment, asked[assignment], f"grader error: {error}"), None
+                outcome = zeros(student, assignment, asked[assignment], f"grader error: {error}")
             future.release()
-            yield outcome, unjailed
+            yield outcome, unjailed, alone
             yield from send()
     finally:
         stop.set()

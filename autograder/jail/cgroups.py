@@ -87,6 +87,18 @@ def _enable(group: Path) -> bool:
         return False
 
 
+def move_to_leaf(group: Path, name: str) -> None:
+    """Move every process of `group` into its child `name` (made if missing): in cgroup v2 a group with processes
+    of its own cannot enable controllers for its children. OSError where the leaf cannot be made."""
+    leaf = group / name
+    leaf.mkdir(exist_ok=True)
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            _write(leaf / "cgroup.procs", pid)
+        except OSError:          # it ended meanwhile, or is a kernel thread
+            pass
+
+
 def _v2(mount: Path, own: str) -> Place | None:
     if not set(CONTROLLERS) <= set((mount / "cgroup.controllers").read_text().split()):
         return None
@@ -104,14 +116,8 @@ def _v2(mount: Path, own: str) -> Place | None:
     if not _enable(mine):
         # A group with processes of its own cannot give its children controllers: where the group is this
         # grader's to manage (delegated to it, or a container's own), its processes move to a leaf first.
-        leaf = mine / "flashcourse-grader"
         try:
-            leaf.mkdir(exist_ok=True)
-            for pid in (mine / "cgroup.procs").read_text().split():
-                try:
-                    _write(leaf / "cgroup.procs", pid)
-                except OSError:
-                    pass
+            move_to_leaf(mine, "flashcourse-grader")
         except OSError:
             return None
         if not _enable(mine):
