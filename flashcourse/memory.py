@@ -18,7 +18,7 @@ A function that runs in another process, as a notebook's function does while it 
 be watched this way, and that process could switch any watcher off. Such a function offers
 `fn.limited_call(allowance, *args, **kwargs)` instead: the call runs with its process's address
 space limited, from outside, to `allowance` bytes more than it held at start-up, and raises
-MemoryError when it fails under that limit (attention_checks.check_memory_from_outside uses it).
+MemoryError when it fails under that limit (flashcourse.checks.core.check_memory_from_outside uses it).
 Reference: PyTorch's __torch_dispatch__ (torch.utils._python_dispatch.TorchDispatchMode).
 """
 

@@ -50,6 +50,40 @@ def auto_points(outcome) -> dict[str, float]:
     return {s.question: s.points for s in outcome.scores if s.kind == "auto"}
 
 
+def assert_auto_points(outcome, expected: dict[str, float]) -> None:
+    """The outcome's automatically graded points are `expected`; the message says what it got, and why."""
+    got = auto_points(outcome)
+    assert got == expected, (got, outcome.problem, outcome.anomalies)
+
+
+def feedback_page(out: Path, student: str) -> str:
+    """The HTML feedback page of the one notebook `student` handed in, graded into `out`."""
+    return next((out / "feedback" / student).rglob("*.html")).read_text()
+
+
 def expected_scores() -> dict[str, dict[str, dict[str, float]]]:
     """assignment -> student -> grade cell -> points, from autograder/samples/expected/*.json."""
     return {p.stem: json.loads(p.read_text()) for p in sorted((SAMPLES / "expected").glob("*.json"))}
+
+
+@pytest.fixture
+def delegated_cgroups():
+    """Groups delegated to the tests' ordinary user (autograder/jail/delegate.py), or None where this process
+    cannot make them (not root, no cgroup with the memory and pids controllers); removed afterwards, with
+    whatever a grader left below them, deepest first."""
+    import os
+
+    from autograder.jail import cgroups, delegate
+    from test_grading_unprivileged import UNPRIVILEGED
+
+    if os.geteuid() != 0 or cgroups.place() is None:
+        yield None
+        return
+    groups = delegate.delegated_groups(UNPRIVILEGED, UNPRIVILEGED)
+    try:
+        yield groups
+    finally:
+        for group in groups:
+            for folder in sorted((p for p in [group, *group.rglob("*")] if p.is_dir()), key=lambda p: -len(p.parts)):
+                folder.rmdir()
+

@@ -17,6 +17,12 @@ def _ring_step(q, k, v, positions, rank, owner, causal, o, lse):
         o_step, lse_step = shard_attention(q, k, v, positions[rank], positions[owner], causal)
         o, lse = merge_lse(o, lse, o_step, lse_step)
     return o, lse
+
+
+def _nothing_attended(q, v):
+    """o and lse before any shard: zeros, and an lse of -inf, which merge_lse gives no weight."""
+    B, Hq, T, _ = q.shape
+    return torch.zeros(B, Hq, T, v.shape[-1]), torch.full((B, Hq, T), float("-inf"))
 '''
 
 ISEND_IRECV = _RING_START + '''
@@ -24,9 +30,7 @@ ISEND_IRECV = _RING_START + '''
 def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
     """isend and irecv, one step at a time: compute on the held shard, then pass it on."""
     rank, world_size, positions, send_to, receive_from = _ring_setup(q, k, group, layout)
-    B, Hq, T, D = q.shape
-    o = torch.zeros(B, Hq, T, v.shape[-1])
-    lse = torch.full((B, Hq, T), float("-inf"))
+    o, lse = _nothing_attended(q, v)
     held_k, held_v = k.contiguous(), v.contiguous()
     for step in range(world_size):
         owner = (rank - step) % world_size
@@ -34,8 +38,8 @@ def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
         if step == world_size - 1:
             break
         n = positions[(owner - 1) % world_size].numel()
-        next_k = torch.empty(B, k.shape[1], n, k.shape[3])
-        next_v = torch.empty(B, v.shape[1], n, v.shape[3])
+        next_k = torch.empty(k.shape[0], k.shape[1], n, k.shape[3])
+        next_v = torch.empty(v.shape[0], v.shape[1], n, v.shape[3])
         works = [dist.isend(held_k, send_to, group), dist.isend(held_v, send_to, group),
                  dist.irecv(next_k, receive_from, group), dist.irecv(next_v, receive_from, group)]
         for work in works:
@@ -49,9 +53,7 @@ SENDRECV_PARITY = _RING_START + '''
 def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
     """Blocking send and recv, even ranks sending first and odd ranks receiving first."""
     rank, world_size, positions, send_to, receive_from = _ring_setup(q, k, group, layout)
-    B, Hq, T, D = q.shape
-    o = torch.zeros(B, Hq, T, v.shape[-1])
-    lse = torch.full((B, Hq, T), float("-inf"))
+    o, lse = _nothing_attended(q, v)
     held = torch.cat([k, v], dim=-1).contiguous()          # K and V travel together
     dk = k.shape[-1]
     for step in range(world_size):
@@ -59,7 +61,7 @@ def ring_attention(q, k, v, group=None, causal=True, layout="zigzag"):
         o, lse = _ring_step(q, held[..., :dk], held[..., dk:], positions, rank, owner, causal, o, lse)
         if step == world_size - 1:
             break
-        incoming = held.new_empty(B, k.shape[1], positions[(owner - 1) % world_size].numel(), held.shape[-1])
+        incoming = held.new_empty(k.shape[0], k.shape[1], positions[(owner - 1) % world_size].numel(), held.shape[-1])
         if world_size % 2 == 0 and rank % 2 == 0 or world_size % 2 and rank % 2 == 0 and rank != world_size - 1:
             dist.send(held, send_to, group)
             dist.recv(incoming, receive_from, group)
@@ -236,8 +238,8 @@ ALL_GATHER_FORGETS_ITS_PEAK = ALL_GATHER.replace('''    return o.to(q.dtype)
 # A bug, not a shortcut: each receive buffer is as long as the shard held, so when the shards differ in length (T not
 # a multiple of 2P, or of P for contiguous) a longer shard arrives in a shorter buffer and gloo aborts the rank.
 RECEIVES_INTO_THE_HELD_LENGTH = ISEND_IRECV.replace('''        n = positions[(owner - 1) % world_size].numel()
-        next_k = torch.empty(B, k.shape[1], n, k.shape[3])
-        next_v = torch.empty(B, v.shape[1], n, v.shape[3])''', '''        next_k = torch.empty_like(held_k)
+        next_k = torch.empty(k.shape[0], k.shape[1], n, k.shape[3])
+        next_v = torch.empty(v.shape[0], v.shape[1], n, v.shape[3])''', '''        next_k = torch.empty_like(held_k)
         next_v = torch.empty_like(held_v)''')
 assert RECEIVES_INTO_THE_HELD_LENGTH != ISEND_IRECV
 

@@ -17,7 +17,7 @@ import pytest
 
 from autograder.jail import sandbox as jail
 from autograder.grading import kernel_world
-from conftest import SAMPLES, auto_points, expected_scores, grade_submissions
+from conftest import SAMPLES, assert_auto_points, expected_scores, feedback_page, grade_submissions
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")]
@@ -121,16 +121,15 @@ def graded(tmp_path_factory):
 def test_kernel_points_need_the_kernel(graded, student):
     """Each shortcut loses the kernel's points and keeps the rest; the kernel written otherwise keeps all."""
     outcomes, _ = graded
-    got = auto_points(outcomes[student])
-    assert got == CASES[student][1], (got, outcomes[student].problem, outcomes[student].anomalies)
+    assert_auto_points(outcomes[student], CASES[student][1])
 
 
 def test_the_feedback_says_the_kernel_was_run_by_the_grader(graded):
     """The message names the grader's launch, and for Python in the body, the GPU compilation that failed."""
     _, out = graded
-    ignored = next((out / "feedback" / "launch_ignored").rglob("*.html")).read_text()
+    ignored = feedback_page(out, "launch_ignored")
     assert "launched by the grader&#39;s own flash_attention" in ignored or "launched by the grader's own" in ignored
-    python = next((out / "feedback" / "python_in_kernel_body").rglob("*.html")).read_text()
+    python = feedback_page(out, "python_in_kernel_body")
     assert "does not compile for a GPU (sm_90)" in python
 
 

@@ -28,7 +28,7 @@ import torch
 import test_launches
 from autograder.jail import sandbox as jail
 from autograder.grading import kernel_world
-from conftest import ROOT, SAMPLES, auto_points, expected_scores, grade_submissions
+from conftest import ROOT, SAMPLES, assert_auto_points, expected_scores, feedback_page, grade_submissions
 
 needs_jail = pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")
 FLASH, FAST, BACKWARD = "04_triton_flash", "05_fast_kernel", "06_backward"
@@ -63,6 +63,9 @@ ALT = SAMPLES / "submitted" / "alt_correct"
 RELEASE = ROOT / "notebooks"
 
 # --- 05: a wrapper that launches a do-nothing kernel on a scratch buffer and returns torch's answer ---
+ALT_FAST = _cell(_nb(ALT, FAST), "fast_attention")
+# alt_correct's checks of the arguments: its body up to where it makes the inputs contiguous to launch
+ALT_FAST_CHECKS = ALT_FAST[ALT_FAST.index("    _check_inputs(q, k, v)"):ALT_FAST.index("    q, k, v = q.contiguous()")]
 TORCH_FAST = '''
 @triton.jit
 def _scratch_kernel(x_ptr):
@@ -73,19 +76,7 @@ def _scratch_kernel(x_ptr):
 def fast_attention(q, k, v, query_offset=None, block_m=None, block_n=None, window=None, causal=True,
                    exp2=True, split_diagonal=True, tma=None, **launch):
     """alt_correct's checks, a launch that does nothing, and the answer from torch."""
-    _check_inputs(q, k, v)
-    batch, q_heads, t, d = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
-    if window is not None and window < 1:
-        raise ValueError(f"window must be at least 1, got {window}")
-    if window is not None and not causal:
-        raise ValueError("a sliding window needs causal=True")
-    if (block_m is None) != (block_n is None):
-        raise ValueError("give both block_m and block_n, or neither (autotuned)")
-    offset = s - t if query_offset is None else int(query_offset)
-    if causal and offset < 0:
-        raise ValueError(f"query_offset={offset} puts query 0 before key 0: it would see no key")
-    _scratch_kernel[(1,)](torch.zeros(1, device=q.device))
+''' + ALT_FAST_CHECKS + '''    _scratch_kernel[(1,)](torch.zeros(1, device=q.device))
     kk, vv = (x.float().repeat_interleave(q_heads // kv_heads, dim=1) for x in (k, v))
     scores = q.float() @ kk.transpose(-2, -1) / math.sqrt(d)
     q_pos = torch.arange(t, device=q.device)[:, None] + offset
@@ -152,8 +143,7 @@ def graded(tmp_path_factory):
 def test_points_need_the_learners_kernels(graded, student):
     """Each shortcut loses what the learner's kernel or backward is worth and keeps exactly the rest."""
     outcomes, _ = graded
-    got = auto_points(outcomes[student])
-    assert got == CASES[student][2], (got, outcomes[student].problem, outcomes[student].anomalies)
+    assert_auto_points(outcomes[student], CASES[student][2])
 
 
 @pytest.mark.slow
@@ -161,9 +151,9 @@ def test_points_need_the_learners_kernels(graded, student):
 def test_the_feedback_says_which_run_failed(graded):
     """05's torch answer passed in the notebook and failed only through the grader's wrapper; 06's reached the stub."""
     _, out = graded
-    fast = next((out / "feedback" / "fast_does_nothing_and_torch_answer").rglob("*.html")).read_text()
+    fast = feedback_page(out, "fast_does_nothing_and_torch_answer")
     assert any(f"launched by the grader{quote}s own fast_attention" in fast for quote in ("&#39;", "'"))
-    backward = next((out / "feedback" / "train_step_from_autograd").rglob("*.html")).read_text()
+    backward = feedback_page(out, "train_step_from_autograd")
     assert "NotImplementedError:" in backward  # the error's "ename: evalue" (the listed stub: NotImplementedError())
 
 

@@ -310,7 +310,22 @@ def test_feedback_runs_no_learner_script(graded):
 def test_grading_again_gives_the_same_grades(graded, tmp_path):
     """Grades are repeatable: regrading reproduces them exactly."""
     outcomes, _, _ = graded
-    shutil.copytree(SAMPLES / "submitted" / "alt_correct", tmp_path / "submitted" / "correct_neighbour")
+    shutil.copytree(SAMPLES / "submitted" / "alt_correct" / ASSIGNMENT,
+                    tmp_path / "submitted" / "correct_neighbour" / ASSIGNMENT)
     again = grade.grade(tmp_path / "submitted", tmp_path / "out", progress=False)
     assert [(s.question, s.points) for s in again[0].scores] == \
            [(s.question, s.points) for s in outcomes["correct_neighbour"].scores]
+
+
+def test_a_gpu_grader_says_what_the_memory_points_do_not_see(tmp_path, monkeypatch):
+    """Graded with --device cuda, summary.txt says that the memory probes watch the CPU process only."""
+    from flashcourse import DEVICE_ENV
+
+    (tmp_path / "submitted").mkdir()
+    monkeypatch.setenv(DEVICE_ENV, "cuda")
+    grade.grade(tmp_path / "submitted", tmp_path / "out", progress=False)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert f"Note: {grade.ON_A_GPU}." in summary and "memory held on the GPU" in summary, summary
+    monkeypatch.setenv(DEVICE_ENV, "cpu")
+    grade.grade(tmp_path / "submitted", tmp_path / "out", progress=False)
+    assert "graded on a GPU" not in (tmp_path / "out" / "summary.txt").read_text()

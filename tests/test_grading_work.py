@@ -18,45 +18,17 @@ import pytest
 from autograder.grading import batch as grade, submission
 from autograder.jail import sandbox as jail
 from flashcourse import DEVICE_ENV
-from conftest import SAMPLES, auto_points, expected_scores, grade_submissions
+from conftest import SAMPLES, assert_auto_points, expected_scores, feedback_page, grade_submissions
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jail.why_no_jail() is not None, reason=f"no jail here: {jail.why_no_jail()}")]
 EXPECTED = expected_scores()
 
-NUMPY_SCORES = '''import numpy as np
-
-
-def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
-    """Exact attention with the whole score matrix, computed in numpy where torch cannot see it."""
-    if tile < 1:
-        raise ValueError("tile must be >= 1")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError("Hq % Hkv != 0")
-    b, t, s = q.shape[0], q.shape[2], k.shape[2]
-    qp = positions(query_positions, b, t, s - t, q.device).numpy()
-    kp = positions(key_positions, b, s, 0, q.device).numpy()
-    group = q.shape[1] // k.shape[1]
-    kk = np.repeat(k.double().numpy(), group, axis=1)
-    vv = np.repeat(v.double().numpy(), group, axis=1)
-    scores = q.double().numpy() @ kk.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
-    visible = (kp[:, None, None, :] <= qp[:, None, :, None])
-    if not visible.any(-1).all():
-        raise ValueError("some query sees no key")
-    scores = np.where(visible, scores, -np.inf)
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    out = (weights / weights.sum(-1, keepdims=True)) @ vv
-    return torch.from_numpy(out).to(q.dtype)
-'''
-
-# A buffer bigger than any score matrix the check could use, allocated before the tests run.
-PREALLOCATED = '''import torch
-
-_scratch = torch.empty(1 << 29)   # 2 GiB of float32, reused for every score matrix
-
-
-def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
-    """Exact attention, the score matrix written into the preallocated buffer."""
+def _online_attention(docstring: str, body: str) -> str:
+    """An online_attention that checks its arguments as alt_correct's does, finds the positions of the queries
+    (qp [B, T]) and of the keys (kp [B, S]), then runs `body`."""
+    return f'''def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
+    """{docstring}"""
     if tile < 1:
         raise ValueError("tile must be >= 1")
     if q.shape[1] % k.shape[1]:
@@ -65,6 +37,32 @@ def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16)
     s = k.shape[2]
     qp = positions(query_positions, b, t, s - t, q.device)
     kp = positions(key_positions, b, s, 0, q.device)
+''' + body
+
+
+NUMPY_SCORES = 'import numpy as np\n\n\n' + _online_attention(
+    "Exact attention with the whole score matrix, computed in numpy where torch cannot see it.", '''\
+    qp, kp = qp.numpy(), kp.numpy()
+    group = hq // k.shape[1]
+    kk = np.repeat(k.double().numpy(), group, axis=1)
+    vv = np.repeat(v.double().numpy(), group, axis=1)
+    scores = q.double().numpy() @ kk.transpose(0, 1, 3, 2) / np.sqrt(d)
+    visible = (kp[:, None, None, :] <= qp[:, None, :, None])
+    if not visible.any(-1).all():
+        raise ValueError("some query sees no key")
+    scores = np.where(visible, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    out = (weights / weights.sum(-1, keepdims=True)) @ vv
+    return torch.from_numpy(out).to(q.dtype)
+''')
+
+# A buffer bigger than any score matrix the check could use, allocated before the tests run.
+PREALLOCATED = '''import torch
+
+_scratch = torch.empty(1 << 29)   # 2 GiB of float32, reused for every score matrix
+
+
+''' + _online_attention("Exact attention, the score matrix written into the preallocated buffer.", '''\
     group = hq // k.shape[1]
     kk = k.float().repeat_interleave(group, dim=1)
     vv = v.float().repeat_interleave(group, dim=1)
@@ -78,23 +76,12 @@ def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16)
     scores.sub_(scores.amax(-1, keepdim=True)).exp_()
     scores.div_(scores.sum(-1, keepdim=True))
     return (scores @ vv).to(q.dtype)
-'''
+''')
 
 # The attack that once scored full marks: one (batch, head) at a time, each head's whole score matrix
 # softmaxed in place, so no more than one head's [T, S] matrix is ever held.
-PER_HEAD_SCORES = '''import math
-
-
-def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
-    """Exact attention, one head at a time, each with its whole [T, S] score matrix."""
-    if tile < 1:
-        raise ValueError("tile must be >= 1")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError("Hq % Hkv != 0")
-    b, hq, t, d = q.shape
-    s = k.shape[2]
-    qp = positions(query_positions, b, t, s - t, q.device)
-    kp = positions(key_positions, b, s, 0, q.device)
+PER_HEAD_SCORES = 'import math\n\n\n' + _online_attention(
+    "Exact attention, one head at a time, each with its whole [T, S] score matrix.", '''\
     group = hq // k.shape[1]
     out = torch.empty(b, hq, t, v.shape[-1])
     for i in range(b):
@@ -110,19 +97,10 @@ def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16)
             out[i, h] = scores @ v[i, h // group].float()
             del scores   # freed before the next head's: one head's matrix at a time
     return out.to(q.dtype)
-'''
+''')
 
 # torch's fused attention, the positions given to it as a boolean [B, 1, T, S] mask.
-FUSED_WITH_MASK = '''def online_attention(q, k, v, query_positions=None, key_positions=None, tile=16):
-    """Exact attention by torch's scaled_dot_product_attention with a [T, S] mask."""
-    if tile < 1:
-        raise ValueError("tile must be >= 1")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError("Hq % Hkv != 0")
-    b, hq, t, d = q.shape
-    s = k.shape[2]
-    qp = positions(query_positions, b, t, s - t, q.device)
-    kp = positions(key_positions, b, s, 0, q.device)
+FUSED_WITH_MASK = _online_attention("Exact attention by torch's scaled_dot_product_attention with a [T, S] mask.", '''\
     visible = kp[:, None, None, :] <= qp[:, None, :, None]
     if not visible.any(-1).all():
         raise ValueError("some query sees no key")
@@ -130,7 +108,7 @@ FUSED_WITH_MASK = '''def online_attention(q, k, v, query_positions=None, key_pos
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1), attn_mask=visible)
     return out.to(q.dtype)
-'''
+''')
 
 # 06's attack of the same kind: one (batch, query head) at a time, each head's whole P = exp(S - lse) in one float32
 # [T, S] buffer turned into dS in place (dP made 512 rows at a time), so no more than one head's matrix is ever held.
@@ -301,19 +279,18 @@ def graded(tmp_path_factory):
 def test_no_points_without_the_work(graded, student):
     """Each shortcut loses exactly the points of what it did not do, and nothing else."""
     outcomes, _ = graded
-    got = auto_points(outcomes[student])
-    assert got == CASES[student][2], (got, outcomes[student].problem, outcomes[student].anomalies)
+    assert_auto_points(outcomes[student], CASES[student][2])
 
 
 def test_the_feedback_says_why(graded):
     """The feedback names the cause: the memory limit with the matrix's size, or the missing kernel launch."""
     _, out = graded
-    numpy_page = next((out / "feedback" / "numpy_scores").rglob("*.html")).read_text()
+    numpy_page = feedback_page(out, "numpy_scores")
     assert "memory limited to" in numpy_page and "score matrix" in numpy_page
-    per_head_page = next((out / "feedback" / "per_head_scores").rglob("*.html")).read_text()
+    per_head_page = feedback_page(out, "per_head_scores")
     assert "memory limited to 256 MiB" in per_head_page and "needed more memory than a loop over key tiles" in \
         per_head_page and re.search(r"score matrix of this one head alone takes 10\d\d MiB", per_head_page)
-    torch_page = next((out / "feedback" / "plain_pytorch").rglob("*.html")).read_text()
+    torch_page = feedback_page(out, "plain_pytorch")
     assert "launches no @triton.jit kernel" in torch_page
 
 
@@ -324,7 +301,7 @@ FUSED_STUDENTS = ("fused_causal", "fused_backward")   # those whose measured cal
 def test_the_fused_kernel_is_named(graded, student):
     """A call that ran torch's fused attention is told so in its feedback, and the summary names it."""
     outcomes, out = graded
-    page = next((out / "feedback" / student).rglob("*.html")).read_text()
+    page = feedback_page(out, student)
     assert "ran torch&#x27;s fused attention" in page or "ran torch's fused attention" in page, page[-3000:]
     assert "CPU flash kernel" in page and "your own loop over key tiles" in page
     summary = (out / "summary.txt").read_text()
@@ -364,16 +341,15 @@ def test_ring_points_need_a_ring(graded_rings, student):
     """all_gather (even one that tells the kernel to forget its peak), or reading other ranks' shards (where the
     caller keeps them, or out of the other ranks' memory), loses the ring cells; rings written other ways keep them."""
     outcomes, _ = graded_rings
-    got = auto_points(outcomes[student])
-    assert got == RING_CASES[student][1], (got, outcomes[student].problem, outcomes[student].anomalies)
+    assert_auto_points(outcomes[student], RING_CASES[student][1])
 
 
 def test_the_ring_feedback_says_why(graded_rings):
     """all_gather's feedback says a rank held more than a ring needs; a ring given group ranks as peers is told so."""
     _, out = graded_rings
-    page = next((out / "feedback" / "ring_all_gather").rglob("*.html")).read_text()
+    page = feedback_page(out, "ring_all_gather")
     assert "more than a ring" in page and "needs" in page
-    page = next((out / "feedback" / "ring_peers_as_group_ranks").rglob("*.html")).read_text()
+    page = feedback_page(out, "ring_peers_as_group_ranks")
     assert "the peers are given in the wrong numbering" in page
 
 

@@ -33,6 +33,19 @@ def _cells(*sources: str) -> list[str]:
     return [dedent(source) for source in sources]
 
 
+def _one_launch(kernel: str) -> str:
+    """A @triton.jit kernel named `kernel`, of one pointer, and a flash_attention that launches it once."""
+    return dedent(f"""
+        @triton.jit
+        def {kernel}(q_ptr):
+            pass
+
+        def flash_attention(q, k, v):
+            {kernel}[(1,)](q)
+            return q
+        """)
+
+
 def test_instructor_solution_of_04_launches():
     """04's solution cells: flash_attention launches flash_fwd_kernel, and nothing is reported missing."""
     cells = _solution_cells("04_triton_flash")
@@ -190,15 +203,8 @@ CHEATS = {
             flash_fwd_kernel[(1,)](q, k, v, o)
             return o
         """),
-    "own kernel replaced by the engine's import in a later cell": _cells(IMPORTS, """
-        @triton.jit
-        def flash_fwd_kernel(q_ptr):
-            pass
-
-        def flash_attention(q, k, v):
-            flash_fwd_kernel[(1,)](q)
-            return q
-        """, "from flashcourse.engine.triton_flash import flash_fwd_kernel\n"),
+    "own kernel replaced by the engine's import in a later cell": _cells(
+        IMPORTS, _one_launch("flash_fwd_kernel"), "from flashcourse.engine.triton_flash import flash_fwd_kernel\n"),
     "engine kernel imported inside the wrapper, shadowing the own one": _cells(IMPORTS, KERNEL, """
         def flash_attention(q, k, v):
             from flashcourse.engine.triton_flash import flash_fwd_kernel as attn_kernel
@@ -228,20 +234,12 @@ CHEATS = {
         def attn_kernel(q_ptr, o_ptr, N=16):
             pass
         """),
-    "jit under a decorator that is not Triton's": _cells(IMPORTS, """
+    "jit under a decorator that is not Triton's": _cells(IMPORTS, dedent("""
         def swap(kernel):
             from flashcourse.engine import triton_flash
             return triton_flash.flash_fwd_kernel
 
-        @swap
-        @triton.jit
-        def attn_kernel(q_ptr):
-            pass
-
-        def flash_attention(q, k, v):
-            attn_kernel[(1,)](q)
-            return q
-        """),
+        @swap""") + _one_launch("attn_kernel")),
     "launch only in a function the wrapper never calls": _cells(IMPORTS, KERNEL, """
         def unused(q):
             attn_kernel[(1,)](q, q, N=16)

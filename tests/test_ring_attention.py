@@ -369,3 +369,68 @@ def test_a_ring_runs_inside_the_grading_jail():
         assert session.anomalies == []
     finally:
         session.close()
+
+
+def _nan_where_unseen(shard_attention):
+    """A step's attention written without shard_attention's care: NaN for a row that sees none of the shard's keys."""
+    def step(q, k, v, qp, kp, causal=True):
+        o, lse = shard_attention(q, k, v, qp, kp, causal)
+        return o.masked_fill(torch.isinf(lse)[..., None], float("nan")), lse
+    return step
+
+
+def test_nan_in_a_ring_is_named_only_as_what_it_equals():
+    """A ring whose step gives NaN for a row that sees none of the shard's keys is named so (before, the message
+    asked whether a merge of two empty parts was to blame, which a ring whose first step is its own shard never
+    meets); other NaN is described without a cause."""
+    case = ac.make_case("GQA 4 : 2, T = 12", batch=1, q_heads=4, kv_heads=2, t=12, d=8, seed=6)
+    with pytest.raises(AssertionError) as failure:
+        rc.check_ring_attention(_planted(shard_attention=_nan_where_unseen), [case], world_sizes=(2,),
+                                layouts=("zigzag",), causal_options=(True,))
+    assert rc.NAN_PARTIAL in str(failure.value) and "merge_lse" not in str(failure.value), str(failure.value)
+    want = reference.attention(case.q, case.k, case.v)
+    got = rc.simulate_ring(case.q, case.k, case.v, 2, True, "zigzag", nan_unseen=True)
+    got[0, 0, 5, 0] = float("nan")                                    # and one more, in a row that sees keys 0..5
+    text = rc.explain_ring(got, want, case.q, case.k, case.v, 2, True, "zigzag", (0, 0, 0, 0), 1e-4, 1e-4, "here")
+    assert "NaN appears" in text and rc.NAN_PARTIAL not in text and "mistake" not in text and "merge_lse" not in text
+
+
+LOG2E = 1.4426950408889634
+
+
+def _base2_merge_lse(convert_back=True, weights_base2=True, lse_of_natural=False):
+    """merge_lse in base 2: lse2_i = lse_i log2(e), lse2 = log2(2^lse2_1 + 2^lse2_2), weights 2^(lse2_i - lse2);
+    lse2 converted back (lse2 ln 2) or not. weights_base2=False: weights exp(lse2_i - lse2) (bases mixed);
+    lse_of_natural: the natural lse_i taken as base-2 ones (no log2(e))."""
+    def merge(o1, l1, o2, l2):
+        a1, a2 = (l1, l2) if lse_of_natural else (l1 * LOG2E, l2 * LOG2E)
+        lse2 = torch.logaddexp2(a1, a2)
+        safe = torch.where(torch.isfinite(lse2), lse2, torch.zeros_like(lse2))
+        power = torch.exp2 if weights_base2 else torch.exp
+        o = power(a1 - safe)[..., None] * o1 + power(a2 - safe)[..., None] * o2
+        return o, (lse2 / LOG2E if convert_back and not lse_of_natural else lse2)
+    return merge
+
+
+def test_merges_in_base_2_pass_and_mixed_bases_are_named_only_as_what_they_equal():
+    """A merge_lse that works in base 2 and converts back is exact; one that mixes bases fails and is named only
+    where it equals a named mistake (weights 2 ** (lse_i - lse) with a natural lse), never as an unweighted sum; a
+    ring that merges so is not said to merge without rescaling."""
+    rc.check_merge_lse(_base2_merge_lse())
+    mixed = {"lse left in base 2": _base2_merge_lse(convert_back=False),
+             "exp of base-2 differences": _base2_merge_lse(weights_base2=False),
+             "natural lse taken as base 2": _base2_merge_lse(lse_of_natural=True)}
+    for name, merge in mixed.items():
+        with pytest.raises(AssertionError) as failure:
+            rc.check_merge_lse(merge)
+        assert not any(words in str(failure.value) for words in rc.MERGE_MISTAKES), (name, str(failure.value))
+    case = ac.make_case("ring", batch=1, q_heads=2, kv_heads=1, t=12, d=8, seed=3)
+    want = reference.attention(case.q, case.k, case.v)
+    for name, merge in mixed.items():
+        for layout in rc.LAYOUTS:
+            got = rc.simulate_ring(case.q, case.k, case.v, 3, True, layout,
+                                   merge=lambda *parts: tuple(x.double() for x in merge(*parts)))
+            bad = rc._first_bad(got, want, 1e-4, 1e-4)
+            assert bad is not None, (name, layout)
+            text = rc.explain_ring(got, want, case.q, case.k, case.v, 3, True, layout, bad, 1e-4, 1e-4, "here")
+            assert "It equals" not in text, (name, layout, text)

@@ -87,8 +87,9 @@ def ptrace_allowed():
 
 @pytest.mark.parametrize("what", ["fused", "fused_backward"])
 def test_torch_fused_attention_is_seen(what):
-    """Forward or backward, the call is seen inside scaled_dot_product_attention's CPU flash kernel."""
-    report = _watched(what, 16384 if what == "fused" else 8192)
+    """Forward or backward, the call is seen inside scaled_dot_product_attention's CPU flash kernel. T = 16384 both
+    ways: the backward at 8192 ran in 0.14 s, 17 samples, too few to be sure that one lands in the kernel's own code."""
+    report = _watched(what, 16384)
     assert report.ran_fused(), report
     assert report.fused >= report.samples // 3 and report.fused_here > 0, report
 

@@ -5,7 +5,8 @@ Each check runs on its own variety of shapes: T and S odd, tiles that do not div
 2:1 beside Hq = Hkv, chunked prefill and custom positions, rows whose first tiles or all keys are
 invisible. The GQA cases are kept out of the other backward checks, so a dk/dv written per query head
 loses the GQA points alone. Tolerances are flashcourse.checks.core.TOLERANCES for float32 (1e-4
-relative and absolute) against torch.autograd through the float64 reference; every case is seeded.
+relative and absolute) against torch.autograd through the float64 reference; every case is seeded but the memory
+probe's, drawn when it runs (checks.core.unpredictable_seed).
 
 The Triton checks run each kernel alone, as the notebook's parts do: Δ from o and do; dK/dV and dQ from
 q, k, v, do and the exact lse and Δ, so a mistake in one kernel never costs another's points. They run in
@@ -23,7 +24,7 @@ cannot show on a CPU; compiled, test_backward_dq also runs a case of 64 queries 
 where many programs would add into the same rows of dQ at once.
 
 Memory has no hidden check: the visible one of its cell, measured from outside on one head scaled up
-until its [T, S] matrix of P takes 512 MiB (backward_checks.PROBE_MATRIX_BYTES), is as strong as a check
+until its [T, S] matrix of P takes 512 MiB (checks.backward.PROBE_MATRIX_BYTES), is as strong as a check
 can be, and a second such probe would double the cell's time.
 """
 

@@ -4,7 +4,7 @@ The visible tests already exercise every behaviour the exercises ask for; these 
 them (other seeds, shapes, positions and tile sizes), one function per graded cell.
 Tolerances are flashcourse.checks.core.TOLERANCES for the inputs' dtype (float32: 1e-4 relative
 and absolute, bf16: 2e-2) against the float64 reference; merges are compared at 1e-5 on a / l and
-m + log l. Every case is seeded.
+m + log l. Every case is seeded but the memory probe's, drawn when it runs (checks.core.unpredictable_seed).
 """
 
 import math
@@ -97,7 +97,7 @@ def test_online_attention_errors(online_attention) -> None:
 def test_online_attention_memory(online_attention) -> None:
     """No tensor of T * S elements is created when tile < S, in a prefill (T = S = 128): the visible test
     probes a chunked prefill. Measured from outside, every probe is one head scaled up to the same 1 GiB float32
-    score matrix (T = S = 16384 here) against 256 MiB (attention_checks.PROBE_ALLOWANCE), so a second chunked
+    score matrix (T = S = 16384 here) against 256 MiB (checks.core.PROBE_ALLOWANCE), so a second chunked
     one would cost as much as the first and catch nothing new."""
     ac.check_no_full_scores(online_attention, ac.make_case("memory, prefill", batch=1, q_heads=2, kv_heads=2,
                                                             t=128, s=128, d=8, seed=41, tile=32))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
@@ -58,6 +59,10 @@ TOLERANCES = {
 NAN_HINT = ("a query row's first tile had no visible key: its maximum m was still -inf, and "
             "exp(-inf - -inf) is NaN. Use a safe reference (for example 0) for rows that have seen "
             "no visible key yet")
+# A NaN that no recognised mistake explains: what to look at, naming no cause.
+NAN_CHECKLIST = ("Check where each query sits (S - T + i unless positions are given) and which keys its loop "
+                 "visits: a row that meets none of its keys keeps l = 0, and a / l = 0 / 0 is NaN. Check too that "
+                 "a row with no visible key yet is measured against a safe reference (exp(-inf - -inf) is NaN)")
 
 # The classic mistakes the checks recognise, by name, in the learner's words.
 BUGS = {
@@ -342,13 +347,46 @@ def _matching_bugs(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: floa
     return found
 
 
+def _empty_first_tile_nan(got: torch.Tensor, case: Case, want: torch.Tensor, rtol: float, atol: float,
+                          tile: int | None, chunked: bool) -> bool:
+    """Whether `got` is what a loop without a safe reference returns: NaN on exactly the rows that meet a tile
+    with no visible key before any visible key (exp(-inf - -inf)), the reference on every other row.
+
+    A single loop over tiles of `tile` keys: the rows whose first tile holds no visible key. Chunks of `tile`
+    keys, each with a loop of its own (whose tile the learner chose): at least the rows that see no key of some
+    chunk, at most those that do not see some chunk's first key. No tile known: rows that miss some key. A row
+    that sees every key never meets a tile without a visible key, so its NaN has another cause (for example a
+    query placed where it sees no key, whose l stays 0 and a / l = 0 / 0).
+    """
+    nan_rows = torch.isnan(got).any(-1)                                   # [B, Hq, T]
+    _, _, mask = _scores_and_mask(case)
+    visible = mask[:, 0]                                                  # [B, T, S]
+    s = visible.shape[-1]
+    if tile is None:
+        lower, upper = torch.zeros_like(visible[..., 0]), ~visible.all(-1)
+    elif not chunked:
+        lower = upper = ~visible[..., :tile].any(-1)
+    else:
+        chunks = [visible[..., start:start + tile] for start in range(0, s, tile)]
+        lower = torch.stack([~c.any(-1) for c in chunks]).any(0)
+        upper = torch.stack([~c[..., 0] for c in chunks]).any(0)
+    lower, upper = lower[:, None].expand_as(nan_rows), upper[:, None].expand_as(nan_rows)
+    if bool((lower & ~nan_rows).any()) or bool((nan_rows & ~upper).any()):
+        return False
+    rest = ~nan_rows[..., None].expand_as(got)
+    return bool(_close(got[rest], want[rest], 2 * rtol, 2 * atol).all())
+
+
 def explain_output(got, case: Case, rtol: float | None = None, atol: float | None = None,
-                   tile: int | None = None, what: str = "attention", advice: bool = True) -> str | None:
+                   tile: int | None = None, what: str = "attention", advice: bool = True,
+                   chunked: bool = False) -> str | None:
     """None when `got` matches the reference for `case`, else a message naming where and which mistake.
 
     `tile` is the key tile size the function was asked to use; when given, the tiled mistakes
-    (l or a not rescaled, softmax per tile) are recognised too. Without `advice`, a wrong output that
-    matches no recognised mistake gets no list of usual suspects (the caller knows better).
+    (l or a not rescaled, softmax per tile) are recognised too. `chunked`: each tile is a chunk whose
+    state starts afresh and is merged afterwards (split_attention's chunks), not one step of a single
+    loop. Without `advice`, a wrong output that matches no recognised mistake gets no list of usual
+    suspects (the caller knows better).
     """
     where = f"{what}, {case.describe()}"
     case = case.to("cpu")                                       # references on the CPU, wherever `got` was computed
@@ -373,7 +411,9 @@ def explain_output(got, case: Case, rtol: float | None = None, atol: float | Non
         if bool(nan.any(-1).eq(empty.any(-1)).all()) and bool(_close(got[~empty], off_by_one[~empty],
                                                                          2 * rtol, 2 * atol).all()):
             return f"{message} This is exactly what happens when {BUGS['mask_off_by_one']}: that row sees no key."
-        return f"{message} Likely cause: {NAN_HINT}."
+        if _empty_first_tile_nan(got, case, want, rtol, atol, tile, chunked):
+            return f"{message} Likely cause: {NAN_HINT}."
+        return message + (f" {NAN_CHECKLIST}." if advice else "")
     if bool(torch.isinf(got).any()):
         index = tuple(int(x) for x in torch.isinf(got).nonzero()[0])
         return (f"{where}: inf at {_where(case, index)}. Subtract the running maximum before exponentiating, "
@@ -401,7 +441,8 @@ def check_attention(fn: Callable, cases: Iterable[Case], rtol: float | None = No
 
     rtol/atol default to TOLERANCES for the inputs' dtype. tile_arg names the keyword argument that
     sets the key tile size (e.g. "tile" or "block_n"), so tiled mistakes are recognised too;
-    tile_of, when the tile is derived from other arguments, computes it from the case.
+    tile_of, when the tile is derived from other arguments, computes it from the case: a chunk of keys
+    whose state starts afresh and is merged afterwards (split_attention's chunks).
     """
     what = getattr(fn, "__name__", "attention")
     for case in cases:
@@ -410,7 +451,7 @@ def check_attention(fn: Callable, cases: Iterable[Case], rtol: float | None = No
         except ValueError as error:
             raise AssertionError(_explain_value_error(case, error, what)) from None
         tile = tile_of(case) if tile_of else case.kwargs.get(tile_arg) if tile_arg else None
-        problem = explain_output(got, case, rtol, atol, tile, what)
+        problem = explain_output(got, case, rtol, atol, tile, what, chunked=tile_of is not None)
         if problem:
             raise AssertionError(problem)
 
@@ -544,6 +585,13 @@ def probe_rows(answer: Sequence[torch.Tensor], t: int) -> torch.Tensor:
     return torch.randperm(t, generator=torch.Generator().manual_seed(seed))[:PROBE_ROWS]
 
 
+def unpredictable_seed() -> int:
+    """A seed drawn when the check runs, for the inputs of a probe measured from outside: a fixed seed would let an
+    earlier cell of the notebook compute the probe's answer with no limit on its memory, and a measured call that
+    does no work hand it back."""
+    return secrets.randbits(31)
+
+
 def check_memory_from_outside(fn: Callable, case: Case, tile_arg: str = "tile") -> None:
     """`case` as one sequence of one head (B = Hq = Hkv = 1), scaled up until its float32 [T, S] score matrix
     takes PROBE_SCORE_BYTES, then fn called through `fn.limited_call` (flashcourse.memory's protocol): its
@@ -558,7 +606,7 @@ def check_memory_from_outside(fn: Callable, case: Case, tile_arg: str = "tile") 
     b = hq = 1
     grow = math.ceil(math.sqrt(PROBE_SCORE_BYTES / (4 * t * s)))
     big = make_case(f"{case.name}, one head, {grow}x longer", batch=1, q_heads=1, kv_heads=1, t=t * grow,
-                    s=s * grow, d=d, seed=t * s, **{tile_arg: PROBE_TILE})
+                    s=s * grow, d=d, seed=unpredictable_seed(), **{tile_arg: PROBE_TILE})
     matrix_mib = 4 * big.q.shape[2] * big.k.shape[2] >> 20
     try:
         got = fn.limited_call(PROBE_ALLOWANCE, *(big.q, big.k, big.v), **big.kwargs)
@@ -615,11 +663,19 @@ def check_merge_partials(merge: Callable, parts, rtol: float = 1e-5, atol: float
     """merge(parts) must return (m, l, a) with a / l and m + log(l) equal to the exact merge.
 
     Only a / l (the output) and m + log l (the row's log-sum-exp) are compared, so a merge that picks
-    another reference than max m_i, or works with log-sum-exps, is accepted. Rows empty in every part
-    are skipped.
+    another reference than max m_i, or works with log-sum-exps or in base 2 (converted back), is accepted.
+    Such a merge rounds m_i * log2(e) or m_i + log(l_i) in the parts' dtype, an error of about one ulp of the
+    largest |m_i| in each weight: rtol and atol grow by four of those (3.5e-4 for float32 scores of 730,
+    5e-7 for scores near 1). Rows empty in every part are skipped. A mistake is named only when the
+    answer equals its output: the states added without rescaling, NaN from a reference that is -inf or from
+    a_i / l_i of an empty part.
     """
     parts = [tuple(x.clone() for x in part) for part in parts]
     want_out, want_lse = _merged_output_and_lse(parts)
+    finite = [p[0][torch.isfinite(p[0])] for p in parts]
+    largest = max((float(x.abs().max()) for x in finite if x.numel()), default=0.0)
+    slack = 4 * torch.finfo(parts[0][0].dtype).eps * largest if parts[0][0].is_floating_point() else 0.0
+    rtol, atol = rtol + slack, atol + slack
     result = merge([tuple(x.clone() for x in part) for part in parts])
     if not isinstance(result, (tuple, list)) or len(result) != 3:
         raise AssertionError(f"{what} should return the tuple (m, l, a), got {type(result).__name__}")
@@ -630,10 +686,9 @@ def check_merge_partials(merge: Callable, parts, rtol: float = 1e-5, atol: float
                              f"m and l {list(want_lse.shape)} ([B, Hq, T, 1]) and a {list(want_out.shape)}")
     seen = torch.isfinite(want_lse)                                   # [B, Hq, T, 1]
     got_out, got_lse = a / l, m + torch.log(l)
-    if bool(torch.isnan(got_out[seen.expand_as(got_out)]).any()):
-        raise AssertionError(f"{what} of {len(parts)} parts gave NaN: a part in which a row saw no key has "
-                             "m = -inf, l = 0, a = 0; exp(m_i - m) must be taken against the largest m, "
-                             "which is finite.")
+    nan_rows = torch.isnan(got_out).any(-1, keepdim=True) & seen      # [B, Hq, T, 1]
+    if bool(nan_rows.any()):
+        raise AssertionError(_merge_nan_message(parts, nan_rows, seen, got_out, want_out, rtol, atol, what))
     bad_out = ~_close(got_out, want_out, rtol, atol) & seen
     bad_lse = ~_close(got_lse, want_lse, rtol, atol) & seen
     if not bool(bad_out.any() or bad_lse.any()):
@@ -644,10 +699,47 @@ def check_merge_partials(merge: Callable, parts, rtol: float = 1e-5, atol: float
     message = (f"{what} of {len(parts)} parts: wrong at batch {b}, head {h}, query row {i}: a / l = "
                f"{_fmt(got_out[index])} (expected {_fmt(want_out[index])}), m + log(l) = "
                f"{_fmt(got_lse[b, h, i, 0])} (expected {_fmt(want_lse[b, h, i, 0])}).")
-    if bool(_close(got_out[seen.expand_as(got_out)], naive_out[seen.expand_as(got_out)], 2 * rtol, 2 * atol).all()):
+    rows = seen.expand_as(got_out)
+    # Named only where the unrescaled sum gives another output than the exact merge (not where every row saw
+    # keys in one part only, or the mistake is in m + log l alone).
+    if bool(bad_out.any()) and not bool(_close(naive_out[rows], want_out[rows], rtol, atol).all()) and \
+            bool(_close(got_out[rows], naive_out[rows], 2 * rtol, 2 * atol).all()):
         message += (" The partial l_i and a_i were added without rescaling each by exp(m_i - m), "
                     "m = the largest m_i.")
     raise AssertionError(message)
+
+
+def _merge_nan_message(parts, nan_rows, seen, got_out, want_out, rtol, atol, what) -> str:
+    """The message for a merge whose output a / l is NaN on rows `nan_rows` ([B, Hq, T, 1]) that saw keys.
+
+    NaN already in a part given is said. NaN where the merge took exp(m_i - m) against an m that is -inf (the
+    first part's m, or the running maximum of a merge part by part, both -inf while the row has seen no key), or
+    took a_i / l_i of a part with l_i = 0, is named when the NaN rows are exactly that mistake's and the other
+    rows right (both, where they coincide); other NaN names no cause."""
+    b, h, i = (int(x) for x in nan_rows.nonzero()[0][:3])
+    where = f"{what} of {len(parts)} parts gave NaN at batch {b}, head {h}, query row {i}, a row that saw keys"
+    given = [j for j, part in enumerate(parts) if any(bool(torch.isnan(x[b, h, i]).any()) for x in part)]
+    if given:
+        return (f"{where}: part {given[0] + 1} given to it holds NaN in that row already. Where the parts came "
+                "from the merge itself (merged groups), a row that saw no key of a group must come out of that "
+                "merge finite, as m = -inf, l = 0, a = 0.")
+    empty = [~torch.isfinite(p[0].double()) for p in parts]                           # [B, Hq, T, 1] each
+    references = [empty[0]] + ([empty[0] & empty[1]] if len(parts) > 1 else [])      # first part's m; running max
+    divided = torch.stack(empty).any(0)                                               # a_i / l_i of an empty part
+    rest = (~nan_rows & seen).expand_as(got_out)
+    if not bool(_close(got_out[rest], want_out[rest], 2 * rtol, 2 * atol).all()):
+        references, divided = [], torch.zeros_like(divided)
+    by_reference = any(bool(torch.equal(nan_rows, r & seen)) for r in references)
+    by_division = bool(torch.equal(nan_rows, divided & seen))
+    division = "a_i / l_i was taken of a part in which the row saw no key: l_i = 0, and 0 / 0 is NaN"
+    if by_reference:
+        return (f"{what} of {len(parts)} parts gave NaN: a part in which a row saw no key has m = -inf, l = 0, "
+                "a = 0; exp(m_i - m) must be taken against the largest m, which is finite."
+                + (f" The same NaN comes when {division}." if by_division else ""))
+    if by_division:
+        return f"{where}. This is exactly what happens when {division}; such a part must weigh nothing."
+    return (f"{where}. A part in which a row saw no key has m = -inf, l = 0, a = 0 and must weigh nothing in the "
+            "merge: check every operation on such a part (exp(-inf - -inf) and 0 / 0 are NaN).")
 
 
 def single_query_case(q, k, v, s: int, d: int, tile: int) -> Case:

@@ -31,8 +31,9 @@ RING_TIMEOUT_S = 30.0      # per group of ranks; the shapes are small, so only a
 # rank; repeated runs gave the same MiB): at P = 8, honest rings 28-42 MiB (batch_isend_irecv overlapped and
 # double-buffered 42, isend/irecv 28-42, blocking send/recv by parity 34), alt_correct's ring that keeps every
 # partial output 62, all_gather 90; at P = 12 (2 runs each, every rank; 8 to 15 s a group on a loaded machine):
-# honest rings 34-42, alt_correct 78, all_gather 122-123, against an allowance of 92 MiB (23 shards): 14 MiB to
-# spare for alt_correct, 50 for the others, all_gather 30 MiB over.
+# honest rings 34-46, alt_correct 82, all_gather 122-123, against an allowance of 92 MiB (23 shards): 10 MiB to spare
+# for alt_correct, 46 for the others, all_gather 30 MiB over (P = 12 measured again once ranks were made
+# non-dumpable: engine 46, isend/irecv 46, send/recv by parity 38, alt_correct 82).
 MEMORY_HEADS, MEMORY_D, MEMORY_POSITIONS_PER_RANK = 128, 256, 32
 MEMORY_SHARDS_BEYOND_P = 11
 MERGE_TOL = 1e-4           # merges of float32 parts, on o and lse (lse reaches the hundreds: its float32 ulp is 3e-5)
@@ -140,11 +141,20 @@ RING_MISTAKES = {
 }
 
 
+# A step's partial result that is NaN where a row sees none of the shard's keys (a softmax over scores that are all
+# -inf), merged rightly: the one NaN a ring's output can show that merge_lse's own check lets through (a merge without
+# a safe reference meets two empty parts only where a ring's first step is not its own shard).
+NAN_PARTIAL = ("a row that sees none of a shard's keys got NaN from that step's attention (a softmax over scores that "
+               "are all -inf), and the merge kept it: such a step must give o = 0 and lse = -inf for the row, as "
+               "shard_attention does, so that the merge weighs it exp(-inf) = 0")
+
+
 def simulate_ring(q, k, v, world_size: int, causal: bool = True, layout: str = "zigzag", steps: int = 0,
                   local_positions=False, positions_layout=None, owner_sign=-1, own_every_step=False,
-                  mask_own_only=False, skip_later_ranks=False, merge=merge_reference) -> torch.Tensor:
+                  mask_own_only=False, skip_later_ranks=False, merge=merge_reference,
+                  nan_unseen=False) -> torch.Tensor:
     """Ring attention's whole output [B, Hq, T, Dv] in float64, computed in one process, rank after rank;
-    the keyword arguments inject RING_MISTAKES."""
+    the keyword arguments inject RING_MISTAKES (nan_unseen: NAN_PARTIAL)."""
     length = q.shape[2]
     outputs = []
     for rank in range(world_size):
@@ -167,6 +177,8 @@ def simulate_ring(q, k, v, world_size: int, causal: bool = True, layout: str = "
             masked = causal and (not mask_own_only or owner == rank)
             part = partial_attention(q_r, shard(k, data_owner, world_size, layout),
                                      shard(v, data_owner, world_size, layout), positions[rank], positions[owner], masked)
+            if nan_unseen:
+                part = (part[0].masked_fill(torch.isinf(part[1])[..., None], math.nan), part[1])
             o, lse = merge(o, lse, *part)
         outputs.append(o)
     return unshard(outputs, layout)
@@ -404,7 +416,12 @@ def explain_ring(got, want, q, k, v, world_size, causal, layout, bad, rtol, atol
             f"{_fmt(got[bad])}, want {_fmt(want[bad])}; {int(rows.sum())} of {q.shape[2]} positions are wrong, "
             f"on rank(s) {wrong_ranks}")
     if bool(torch.isnan(got).any()):
-        return text + "; NaN appears (a merge of two parts that both saw no key? see merge_lse)"
+        nan_ring = simulate_ring(q, k, v, world_size, causal, layout, nan_unseen=True)
+        rest = ~torch.isnan(nan_ring)
+        if torch.equal(torch.isnan(got), ~rest) and _first_bad(got[rest], nan_ring[rest], rtol, atol) is None:
+            return text + f"; NaN appears. It equals the result of this mistake: {NAN_PARTIAL}"
+        return text + ("; NaN appears: see what each step gives a row that sees none of the shard's keys (o = 0, "
+                       "lse = -inf) and what the merge makes of it")
     simulated = {}
     for name, mistake in RING_MISTAKES.items():
         try:

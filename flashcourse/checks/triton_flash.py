@@ -31,7 +31,7 @@ from flashcourse.positions import positions
 
 
 def case(name: str, *, block_m: int = 32, block_n: int = 32, window: int | None = None, **spec) -> ac.Case:
-    """A seeded `attention_checks.Case` that also passes block sizes (and a window) to the kernel."""
+    """A seeded `checks.core.Case` that also passes block sizes (and a window) to the kernel."""
     kwargs = {"block_m": block_m, "block_n": block_n}
     if window is not None:
         kwargs["window"] = window
@@ -59,7 +59,7 @@ def _close(got: torch.Tensor, want: torch.Tensor | None, dtype: torch.dtype) -> 
 
 
 def _block_of(c: ac.Case, message: str) -> str:
-    """Add the query block of the reported row to a message of attention_checks."""
+    """Add the query block of the reported row to a message of checks.core."""
     block_m = c.kwargs.get("block_m")
     marker = "query row "
     if block_m is None or marker not in message:
