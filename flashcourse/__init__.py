@@ -8,6 +8,7 @@ positions    the absolute positions of queries and keys, and the checks of a ker
 memory       an allocation tracker, to show what the unfused and tiled versions keep alive
 distributed  runs a function on P local ranks of a torch.distributed group
 selfcheck    `python -m flashcourse.selfcheck NOTEBOOK`: run a notebook's visible tests
+gpt          a small GPT whose attention is a parameter (06 trains its miniature with the learner's kernels)
 
 Its subpackages serve others, and the jail holds none of them:
 
@@ -17,8 +18,8 @@ explore      the tile explorer and the causal block picture (they draw the right
 engine       the finished implementations, one module per kernel family, generated from source/
 bench        what the notebooks show of the course's GPU: measured results and the sweeps that made them
 
-The instructor's benchmarks of the backward and the ring, and the GPT trainer, are in instructor/ at the
-course's root, outside what learners install.
+The instructor's benchmarks of the backward and the ring, and the GPT's measured run on the GPU, are in
+instructor/ at the course's root, outside what learners install.
 """
 
 import importlib

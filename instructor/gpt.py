@@ -1,48 +1,24 @@
-"""A small GPT whose attention is a parameter, to train it once with SDPA and once with the course's kernels.
+"""The small GPT of flashcourse.gpt trained on the course's GPU, once with SDPA and once with the course's kernels.
 
     python -m instructor.gpt --json flashcourse/bench/measured/training.json --png flashcourse/bench/measured/training.png
     python -m instructor.gpt --seeds 3 --json flashcourse/bench/measured/training_seeds.json   # the gap beside the
                                                                                                 # seeds' own spread
 
-The model reads bytes (a vocabulary of 256) of text that ships with the course: flashcourse's own
-source files, read through importlib.resources, so it trains the same on an installed package, in
-Colab or in the repository. `train_both` trains two copies from one seed, on the same batches, one
-with torch's scaled_dot_product_attention and one with flash_attention_train, and returns both loss
-curves: any difference between them comes from the attention alone. On a GPU it runs in bf16
-(autocast); on a CPU a miniature runs in float32, the kernels in Triton's interpreter.
+`train_both` trains two copies from one seed, on the same batches, one with torch's
+scaled_dot_product_attention and one with flash_attention_train, and returns both loss curves: any difference
+between them comes from the attention alone. On a GPU it runs in bf16 (autocast); on a CPU a miniature runs in
+float32, the kernels in Triton's interpreter.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-from dataclasses import asdict, dataclass
-from importlib import resources
+from dataclasses import asdict
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    layers: int = 6
-    width: int = 384              # d_model
-    q_heads: int = 6
-    kv_heads: int = 2             # grouped-query attention: 3 query heads per KV head
-    context: int = 512            # T
-    vocab: int = 256              # bytes
-
-
-GPU_CONFIG = GPTConfig()
-CPU_CONFIG = GPTConfig(layers=1, width=32, q_heads=2, kv_heads=1, context=32)
-
-
-def sdpa_attention(q, k, v):
-    """torch's causal attention: q [B, Hq, T, D], k and v [B, Hkv, T, D] -> [B, Hq, T, D]."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-
+from flashcourse.gpt import CPU_CONFIG, GPU_CONFIG, GPTConfig, corpus, sdpa_attention, train
 
 def sdpa_efficient_attention(q, k, v):
     """The same attention through another of torch's kernels (memory-efficient attention, where it runs): a
@@ -51,109 +27,6 @@ def sdpa_efficient_attention(q, k, v):
 
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return sdpa_attention(q, k, v)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, attention):
-        super().__init__()
-        self.q_heads, self.kv_heads = config.q_heads, config.kv_heads
-        self.head_dim = config.width // config.q_heads
-        self.qkv = nn.Linear(config.width, (config.q_heads + 2 * config.kv_heads) * self.head_dim, bias=False)
-        self.out = nn.Linear(config.width, config.width, bias=False)
-        self.attention = attention
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split([self.q_heads * self.head_dim, self.kv_heads * self.head_dim,
-                                     self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(B, T, self.q_heads, self.head_dim).transpose(1, 2)     # [B, Hq, T, D]
-        k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)    # [B, Hkv, T, D]
-        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)    # [B, Hkv, T, D]
-        y = self.attention(q, k, v)                                         # [B, Hq, T, D]
-        return self.out(y.transpose(1, 2).reshape(B, T, C))
-
-
-class Block(nn.Module):
-    def __init__(self, config: GPTConfig, attention):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(config.width), nn.LayerNorm(config.width)
-        self.attn = CausalSelfAttention(config, attention)
-        self.mlp = nn.Sequential(nn.Linear(config.width, 4 * config.width), nn.GELU(),
-                                 nn.Linear(4 * config.width, config.width))
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class GPT(nn.Module):
-    """Token and position embeddings, `layers` pre-norm blocks, a final norm, tied output weights."""
-
-    def __init__(self, config: GPTConfig, attention):
-        super().__init__()
-        self.config = config
-        self.tokens = nn.Embedding(config.vocab, config.width)
-        self.positions = nn.Embedding(config.context, config.width)
-        self.blocks = nn.ModuleList(Block(config, attention) for _ in range(config.layers))
-        self.norm = nn.LayerNorm(config.width)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def forward(self, idx, targets):
-        """Mean cross-entropy of predicting targets [B, T] from idx [B, T]."""
-        B, T = idx.shape
-        x = self.tokens(idx) + self.positions(torch.arange(T, device=idx.device))   # [B, T, C]
-        for block in self.blocks:
-            x = block(x)
-        logits = self.norm(x) @ self.tokens.weight.T                                # [B, T, vocab]
-        return F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T))
-
-
-def corpus() -> torch.Tensor:
-    """The bytes of flashcourse's own .py files, in a fixed order, as a uint8 tensor."""
-    def files(folder):
-        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-            if entry.is_dir():
-                yield from files(entry)
-            elif entry.name.endswith(".py"):
-                yield entry
-    text = b"".join(f.read_bytes() for f in files(resources.files("flashcourse")))
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8)
-
-
-def train(attention, steps: int, config: GPTConfig, batch: int, lr: float = 2e-3, seed: int = 0,
-          device: str = "cpu") -> list[float]:
-    """Train a GPT with `attention` for `steps` AdamW steps; the training loss at every step.
-
-    The same seed gives the same initial weights and the same batches, whatever the attention.
-    """
-    data = corpus().to(device)
-    torch.manual_seed(seed)
-    model = GPT(config, attention).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    gen = torch.Generator().manual_seed(seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
-    losses = []
-    for step in range(steps):
-        starts = torch.randint(len(data) - config.context - 1, (batch,), generator=gen)
-        window = torch.stack([data[i:i + config.context + 1] for i in starts.tolist()]).long()  # [B, T + 1]
-        for group in optimizer.param_groups:   # warm up over the first tenth, then cosine decay
-            warm = min(1.0, (step + 1) / max(1, steps // 10))
-            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        with autocast:
-            loss = model(window[:, :-1], window[:, 1:])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def train_both(steps: int | None = None, config: GPTConfig | None = None, batch: int | None = None,

@@ -205,3 +205,108 @@ def test_kernel_input_checks(q_shape, k_shape, v_shape, words):
     with pytest.raises(ValueError, match=words):
         check_kernel_inputs(torch.zeros(q_shape), torch.zeros(k_shape), torch.zeros(v_shape))
     check_kernel_inputs(torch.zeros(1, 8, 5, 32), torch.zeros(1, 2, 11, 32), torch.zeros(1, 2, 11, 32))
+
+
+VISIBLE_LINE = "visible = kp[:, None, None, None, start:stop] <= qp[:, None, None, :, None]"
+ROWS = "torch.arange(t)[None, None, None, :, None]"                  # query row i as if at position i
+
+
+def _dkdv_visible(condition):
+    """Edits that give dK and dV a mask of their own, `condition` (on kp, qp, rows = the query rows, start), while
+    dQ keeps the right one."""
+    return [(P_LINE, P_LINE + f"\n        rows = {ROWS}\n        p_kv = torch.exp(scores.masked_fill(~(visible & "
+                              f"({condition})), float('-inf')) - ref)"),
+            (DV_LINE, DV_LINE.replace("(p.transpose", "(p_kv.transpose")),
+            (DK_LINE, DK_LINE.replace("(ds.transpose", "((p_kv * (dp - delta)).transpose"))]
+
+
+CHUNKED = _cases()[0]                                                    # GQA 2:1, T = 5, S = 11: offset 6
+PREFILL = ac.make_case("prefill", batch=1, q_heads=2, kv_heads=2, t=16, s=16, seed=8)
+OFFSET_HANDS = {   # name: (edits, case, tile, the mistake it equals there, or None)
+    "the backward's mask at the row index": ([(VISIBLE_LINE, VISIBLE_LINE.replace("qp[:, None, None, :, None]", ROWS))],
+                                             CHUNKED, 3, "offset_ignored_backward"),
+    "dK/dV's mask at the row index": (_dkdv_visible(f"kp[:, None, None, None, start:stop] <= {ROWS}"), CHUNKED, 3,
+                                      "dkdv_offset_ignored"),
+    "dK/dV's queries from the key's index, tiles of 1": (_dkdv_visible("rows >= start"), CHUNKED, 1,
+                                                         "dkdv_offset_ignored"),
+    "dK/dV's queries from the key's index, tiles of 3": (_dkdv_visible("rows >= start"), CHUNKED, 3, None),
+    "dK/dV's queries from the key's tile": (_dkdv_visible("rows >= start // tile * tile"), CHUNKED, 3, None),
+    "dK/dV's queries one tile late": (_dkdv_visible("rows >= (max(start - (s - t), 0) // tile + 1) * tile"),
+                                      CHUNKED, 3, None),
+    "dK/dV's queries one tile late, prefill, tiles of 16": (
+        _dkdv_visible("rows >= (max(start - (s - t), 0) // tile + 1) * tile"), PREFILL, 16, None),
+    "dK/dV's bound off by one": (_dkdv_visible("kp[:, None, None, None, start:stop] < qp[:, None, None, :, None]"),
+                                 CHUNKED, 3, None),
+    "the key loop from the second tile": ([("for start in range(0, s, tile):", "for start in range(tile, s, tile):")],
+                                          CHUNKED, 3, None),
+}
+
+
+@pytest.mark.parametrize("hand", list(OFFSET_HANDS))
+def test_the_query_offset_is_named_in_the_pytorch_backward_only_where_it_is_that(hand):
+    """attention_backward whose causal bound leaves out the query offset (chunked prefill: offset S - T = 6), in dK
+    and dV or everywhere, is named so; a loop over a key's queries started at the key's index equals it with tiles
+    of 1 and is named there too, not with tiles of 3. Other hands' mistakes around the offset (the queries of a key
+    from its tile or a tile late, the bound off by one, the key loop begun a tile late) are named as nothing, and
+    never as a Triton kernel's loop over blocks, which a PyTorch backward does not have (before, a start one tile
+    late, in a prefill with tiles of 16, was called 'the dK/dV loop starts one query block late' with blocks from
+    (16, 16) to (128, 128))."""
+    edits, case, tile, expected = OFFSET_HANDS[hand]
+    with pytest.raises(AssertionError) as failure:
+        bc.check_backward(_mutant(engine.attention_backward, *edits), [case.with_kwargs(tile=tile)])
+    message = str(failure.value)
+    named = [bug for bug, words in bc.BACKWARD_BUGS.items() if words in message]
+    assert named == ([expected] if expected else []), message
+    assert "BLOCK_M" not in message and bc.START_LATE not in message and bc.DKDV_DIAGONAL not in message, message
+
+
+SAFE_REF = "ref = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))   # safe reference"
+SAFE_DIVIDE = "o = torch.where(seen, acc / torch.where(seen, l, torch.ones_like(l)), torch.zeros_like(acc))"
+FORWARD_NAN = {   # mistake -> (edits of the engine's online_attention_lse, what the message must say, must not)
+    "no safe reference": ([(SAFE_REF, "ref = m_new"), (SAFE_DIVIDE, "o = acc / l")], "Likely cause: " + ac.NAN_HINT,
+                          "0 / 0"),
+    "0 / 0 on the rows that see no key": ([(SAFE_DIVIDE, "o = acc / l")], "That row sees no key", "Likely cause"),
+    "0 / 0 after placing queries 4 early": ([(SAFE_DIVIDE, "o = acc / l"),
+                                             ("<= qp[:, None, None, :, None]", "<= qp[:, None, None, :, None] - 4")],
+                                            ac.NAN_CHECKLIST, "Likely cause"),
+}
+
+
+@pytest.mark.parametrize("mistake", FORWARD_NAN)
+def test_nan_in_the_forward_with_empty_rows_is_named_only_as_what_it_equals(mistake):
+    """On the case with rows that see no key (and rows whose first tile is empty), a NaN output is blamed on a
+    missing safe reference only when it is that mistake's output; 0 / 0 on the empty rows is said as such, and
+    a NaN in a row that should see keys, from queries placed wrong, gets the checklist that names no cause."""
+    edits, says, never = FORWARD_NAN[mistake]
+    forward = _mutant(engine.online_attention_lse, *edits)
+    case = _cases()[2]
+    message = bc.explain_forward(case.call(forward), case, tile=case.kwargs["tile"])
+    assert message and says in message and never not in message, message
+
+
+class Measured:
+    """Stands for attention_backward run in the grading jail (its limited_call), computing with `backward`."""
+    __name__ = "attention_backward"
+
+    def __init__(self, backward, scale=1.0):
+        self.backward, self.scale = backward, scale
+
+    def limited_call(self, allowance, *args, **kwargs):
+        return tuple(g * self.scale for g in self.backward(*args, **kwargs))
+
+
+@pytest.mark.parametrize("backward, scale, passes", [(engine.attention_backward, 1.0, True),
+                                                     ("delta_missing", 1.0, True),
+                                                     (engine.attention_backward, 1.5, False)])
+def test_the_backward_memory_probe_takes_the_gradient_or_a_recognised_mistake(backward, scale, passes):
+    """The probe from outside (one head, T = 9472, S = 14208) accepts the gradients and a recognised mistake's
+    (graded elsewhere), and refuses an answer that is neither: its rows are compared with the gradient first and
+    with the mistakes only when they are not it."""
+    if isinstance(backward, str):
+        backward = _mutant(engine.attention_backward, *BACKWARD_MUTATIONS[backward])
+    case = ac.make_case("memory", q_heads=1, kv_heads=1, t=128, s=192, d=8, seed=4, tile=32)
+    if passes:
+        bc.check_backward_memory(Measured(backward, scale), case)
+    else:
+        with pytest.raises(AssertionError, match="neither the gradient nor a recognised mistake"):
+            bc.check_backward_memory(Measured(backward, scale), case)

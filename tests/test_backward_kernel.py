@@ -279,6 +279,18 @@ def test_not_causal_run_causally_is_named():
     assert bc.CAUSAL_WHEN_NOT in str(failure.value), str(failure.value)
 
 
+def _assert_race_named_only_when_dq_changes(check, right, case, racy, unscaled, no_scale: str) -> None:
+    """`check` (check_backward_repeated or check_dq_repeated) names a race for `racy`, whose wrong dq differs from
+    run to run, but not for `unscaled`, always the same wrong dq, where it names the missing scale (`no_scale`);
+    `right` passes."""
+    with pytest.raises(AssertionError, match="changes from run to run"):
+        check(racy, case, runs=3)
+    with pytest.raises(AssertionError) as failure:
+        check(unscaled, case, runs=3)
+    assert "run to run" not in str(failure.value) and no_scale in str(failure.value)
+    check(right, case, runs=2)
+
+
 def test_race_named_only_when_dq_changes_between_runs():
     """check_backward_repeated names a race when a wrong dq differs from run to run, and not when it is always
     the same wrong dq (there it names the mistake, here the missing scale)."""
@@ -293,12 +305,8 @@ def test_race_named_only_when_dq_changes_between_runs():
         dq, dk, dv = bw.flash_attention_backward(q, k, v, o, lse, do, query_offset)
         return dq * math.sqrt(q.shape[-1]), dk, dv
 
-    with pytest.raises(AssertionError, match="changes from run to run"):
-        bc.check_backward_repeated(racy, case, runs=3)
-    with pytest.raises(AssertionError) as failure:
-        bc.check_backward_repeated(unscaled, case, runs=3)
-    assert "run to run" not in str(failure.value) and bc.BACKWARD_BUGS["dq_no_scale"] in str(failure.value)
-    bc.check_backward_repeated(bw.flash_attention_backward, case, runs=2)
+    _assert_race_named_only_when_dq_changes(bc.check_backward_repeated, bw.flash_attention_backward, case, racy,
+                                            unscaled, bc.BACKWARD_BUGS["dq_no_scale"])
 
 
 def test_dq_race_named_by_the_part_check_only_when_dq_changes_between_runs():
@@ -313,9 +321,5 @@ def test_dq_race_named_by_the_part_check_only_when_dq_changes_between_runs():
     def unscaled(*args, **kwargs):
         return bw.backward_dq(*args, **kwargs) * math.sqrt(case.q.shape[-1])
 
-    with pytest.raises(AssertionError, match="changes from run to run"):
-        bc.check_dq_repeated(racy, case, runs=3)
-    with pytest.raises(AssertionError) as failure:
-        bc.check_dq_repeated(unscaled, case, runs=3)
-    assert "run to run" not in str(failure.value) and bc.DQ_BUGS["dq_no_scale"] in str(failure.value)
-    bc.check_dq_repeated(bw.backward_dq, case, runs=2)
+    _assert_race_named_only_when_dq_changes(bc.check_dq_repeated, bw.backward_dq, case, racy, unscaled,
+                                            bc.DQ_BUGS["dq_no_scale"])
