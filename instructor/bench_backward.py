@@ -19,14 +19,13 @@ Times by triton.testing.do_bench (L2 flushed before each run).
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 
 import torch
 
-from flashcourse.bench import GPU_NEEDED, environment
+from flashcourse.bench import environment
+from flashcourse.bench.reports import label_panel, report_main, report_opening, report_parser, save_json
 
 TOKENS = 4 * 8192               # B * T held fixed
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
@@ -229,16 +228,16 @@ def _speed_table(rows: list[dict], kind: str, extra: dict) -> list[str]:
 
 def report(result: dict) -> str:
     """The measurements as markdown tables."""
-    lines = ["# The backward kernels (assignment 06) against SDPA", "",
-             f"Measured {result['environment']}.", "",
-             "bf16, Hq = 32, Hkv = 8, T = S, B x T = %d. Forward FLOPs 4 B Hq T^2 D (2 B Hq T^2 D causal); backward "
-             "FLOPs 2.5 times those; TFLOP/s by triton.testing.do_bench (L2 flushed before each run), every number "
-             "from one process. Backward: torch.autograd.grad of a kept output; forward+backward: both, through "
-             "autograd (the course's kernels through flash_attention_train). Errors: max |error| of dq, dk and dv "
-             "over batch 0 and KV head 0 with its 4 query heads, against FP32 autograd of the naive attention." % TOKENS,
-             "", "The course's forward pass is flash_attention_lse, the kernel given in 06 (fixed 64 x 64 blocks on a "
-             "GPU, no autotuning), which stores the log-sum-exp; its backward kernels are autotuned.",
-             "", "## Backward pass (TFLOP/s)", ""]
+    lines = report_opening(
+        "# The backward kernels (assignment 06) against SDPA", result["environment"],
+        "bf16, Hq = 32, Hkv = 8, T = S, B x T = %d. Forward FLOPs 4 B Hq T^2 D (2 B Hq T^2 D causal); backward "
+        "FLOPs 2.5 times those; TFLOP/s by triton.testing.do_bench (L2 flushed before each run), every number "
+        "from one process. Backward: torch.autograd.grad of a kept output; forward+backward: both, through "
+        "autograd (the course's kernels through flash_attention_train). Errors: max |error| of dq, dk and dv "
+        "over batch 0 and KV head 0 with its 4 query heads, against FP32 autograd of the naive attention." % TOKENS,
+        "The course's forward pass is flash_attention_lse, the kernel given in 06 (fixed 64 x 64 blocks on a "
+        "GPU, no autotuning), which stores the log-sum-exp; its backward kernels are autotuned.",
+        "## Backward pass (TFLOP/s)")
     errors = {f"{n} error": (lambda r, n=n: f"{r[n + ' error']:.1e}") for n in SPEED_NAMES}
     lines += _speed_table(result["speed"], "bwd", {"B": lambda r: r["batch"], **errors,
                                                    "dK/dV blocks": lambda r: _fmt_config(r["dkdv config"]),
@@ -268,63 +267,40 @@ def plot(result: dict, path: str):
         rows = [r for r in result["speed"] if r["causal"] == causal and r["d"] == d]
         for name in ("course", "SDPA flash", "SDPA cuDNN"):
             ax.plot([r["t"] for r in rows], [r[f"{name} bwd"] for r in rows], "o-", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("T = S")
-        ax.set_ylabel("backward TFLOP/s")
-        ax.set_title(f"backward: bf16, {'causal' if causal else 'not causal'}, D={d}, Hq/Hkv=32/8")
-        ax.legend()
+        label_panel(ax, "T = S", "backward TFLOP/s", f"backward: bf16, {'causal' if causal else 'not causal'}, D={d}, "
+                    "Hq/Hkv=32/8")
     ax = axes[-1]
     for name in ("course", "SDPA flash", "naive"):
         ax.plot([r["t"] for r in result["memory"]], [r[name] for r in result["memory"]], "o-", label=name)
-    ax.set_xscale("log", base=2)
+    label_panel(ax, "T = S", "peak MiB beyond the inputs", "forward + backward memory: causal, D=128, B=1")
     ax.set_yscale("log")
-    ax.set_xlabel("T = S")
-    ax.set_ylabel("peak MiB beyond the inputs")
-    ax.set_title("forward + backward memory: causal, D=128, B=1")
-    ax.legend()
     fig.suptitle(result["environment"])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return fig
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="write the markdown report to this file")
-    parser.add_argument("--json", help="write the measurements as JSON to this file (after every row)")
-    parser.add_argument("--png", help="write the plot to this file")
-    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    parser.add_argument("--from-json", help="measure nothing: write the report and plot of this earlier --json")
-    args = parser.parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as f:
-            result = json.load(f)
-    elif not torch.cuda.is_available():
-        print(GPU_NEEDED)
-        return 1
-    else:
-        result = {"environment": environment(), "speed": [], "dq": [], "memory": []}
+def _measure_all(args) -> dict:
+    """speed, dq and memory over --lengths, saved to --json after every row."""
+    result = {"environment": environment(), "speed": [], "dq": [], "memory": []}
 
-        def save():
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(result, f, indent=1)
-        print("speed", flush=True)
-        speed(lengths=args.lengths, rows=result["speed"], done=save)
-        print("dq", flush=True)
-        dq_choice(lengths=[t for t in (1024, 4096, 16384) if t in args.lengths] or args.lengths[:1],
-                  rows=result["dq"], done=save)
-        print("memory", flush=True)
-        result["memory"] = memory(args.lengths)
-        save()
-    text = report(result)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.png:
-        plot(result, args.png)
-    return 0
+    def save():
+        save_json(result, args.json)
+    print("speed", flush=True)
+    speed(lengths=args.lengths, rows=result["speed"], done=save)
+    print("dq", flush=True)
+    dq_choice(lengths=[t for t in (1024, 4096, 16384) if t in args.lengths] or args.lengths[:1],
+              rows=result["dq"], done=save)
+    print("memory", flush=True)
+    result["memory"] = memory(args.lengths)
+    save()
+    return result
+
+
+def main(argv=None) -> int:
+    parser = report_parser(__doc__)
+    parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    return report_main(parser.parse_args(argv), _measure_all, report, plot)
 
 
 if __name__ == "__main__":

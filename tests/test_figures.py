@@ -22,6 +22,18 @@ NOT_MEASURED = {   # decimal numbers in the prose that no measurement of ours gi
         "3.9": "FlashAttention-3's exponential throughput on an H100, cited with the paper beside it",
         "3.6": "Triton's version number",
     },
+    "06_backward": {
+        "2.5": "the backward's matrix work over the forward's, five products against two, counted in the text",
+    },
+    "07_ring_attention": {
+        "1.75": "question 2's worked answer: 2 - 1/P at P = 4",
+        "1.00": "question 2's worked answer: zigzag's slowest rank over the mean",
+        "0.5": "question 2's worked answer: causal pairs of contiguous rank 0 at T = 4096, P = 4, computed",
+        "1.6": "question 2's worked answer: the same for rank 1",
+        "2.6": "question 2's worked answer (rank 2's pairs) and the 64-GPU ratio of FLOPs to bytes, computed in the text",
+        "3.7": "question 2's worked answer: the same for rank 3",
+        "2.1": "question 2's worked answer: zigzag's pairs per rank",
+    },
     "08_hopper": {
         "3.6": "Triton's version number",
     },
@@ -50,9 +62,10 @@ def test_every_figure_is_computable_and_quoted(name):
     assert name in _quoted_everywhere(), f"{name} is defined in autograder/building/figures.py and quoted nowhere"
 
 
-@pytest.mark.parametrize("assignment", ["03_online_attention", "05_fast_kernel", "08_hopper"])
+@pytest.mark.parametrize("assignment", ["03_online_attention", "05_fast_kernel", "06_backward", "07_ring_attention",
+                                        "08_hopper"])
 def test_no_decimal_figure_without_its_source(assignment):
-    """In 03, 05 and 08, every decimal number in the prose is a quoted figure (code and math aside, and the few
+    """In 03 and 05 to 08, every decimal number in the prose is a quoted figure (code and math aside, and the few
     numbers below that are not measurements), so a measured value cannot be typed in by hand unnoticed."""
     loose = []
     for cell in figures.markdown_cells(build.source_notebook(assignment)):
@@ -63,7 +76,9 @@ def test_no_decimal_figure_without_its_source(assignment):
 
 @pytest.mark.parametrize("folder, assignment", [(build.RELEASE, "05_fast_kernel"), (build.SOLUTIONS, "05_fast_kernel"),
                                                 (build.RELEASE, "08_hopper"), (build.SOLUTIONS, "08_hopper"),
-                                                (build.SOLUTIONS, "03_online_attention")])
+                                                (build.SOLUTIONS, "03_online_attention"), (build.RELEASE, "06_backward"),
+                                                (build.SOLUTIONS, "06_backward"), (build.RELEASE, "07_ring_attention"),
+                                                (build.SOLUTIONS, "07_ring_attention")])
 def test_release_and_solution_carry_the_quoted_values(folder, assignment):
     """The learner's release and the executed solution say what the source says, value for value (03's
     release quotes none: its figures are in the answers, which the release leaves to the learner)."""

@@ -204,21 +204,36 @@ def test_fp8_attention_near_the_reference(rotate):
 
 
 def test_hopper_attention_refuses_what_it_cannot_run():
-    """hopper_attention: a ValueError for shapes and dtypes it does not take, naming them and fast_attention;
-    on a machine without a Hopper GPU a RuntimeError that says so."""
+    """hopper_attention with fallback=False: a ValueError for shapes and dtypes it does not take, naming them
+    and fast_attention; on a machine without a Hopper GPU a RuntimeError that says so."""
     from flashcourse.engine.hopper import hopper_attention
 
     q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
     for bad, words in (((q[:, :, :200], q, q), "T = 200"), ((q.float(), q.float(), q.float()), "torch.float32"),
                        ((torch.randn(1, 2, 256, 32, dtype=torch.bfloat16),) * 3, "D = 32")):
         with pytest.raises(ValueError, match=words) as raised:
-            hopper_attention(*bad)
+            hopper_attention(*bad, fallback=False)
         assert "fast_attention" in str(raised.value)
     with pytest.raises(ValueError, match="query_offset must be >= 0"):
-        hopper_attention(q, q[:, :, :128], q[:, :, :128])
+        hopper_attention(q, q[:, :, :128], q[:, :, :128], fallback=False)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="Hopper|Gluon"):
-            hopper_attention(q, q, q)
+            hopper_attention(q, q, q, fallback=False)
+
+
+def test_hopper_attention_falls_back_to_fast_attention():
+    """By default, inputs the schedule cannot run (here: no Hopper GPU, or T = 40, or fp32) are computed by 05's
+    fast_attention, with its answer and its errors (a causal query before key 0)."""
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.hopper import hopper_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+    assert torch.equal(hopper_attention(q, k, v), fast_attention(q, k, v))
+    assert torch.equal(hopper_attention(q, k, v, causal=False, query_offset=3),
+                       fast_attention(q, k, v, causal=False, query_offset=3))
+    with pytest.raises(ValueError, match="before key 0"):
+        hopper_attention(q, k[:, :, :20], v[:, :, :20])
 
 
 def test_hopper_schedule_follows_the_measured_rule():

@@ -61,7 +61,28 @@ def test_hopper_attention(persistent, pingpong, dtype, batch, q_heads, kv_heads,
     from flashcourse.bench.fast import _inputs
 
     q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, dtype)
-    got = hopper_attention(q, k, v, causal=causal, persistent=persistent, pingpong=pingpong)
+    got = hopper_attention(q, k, v, causal=causal, persistent=persistent, pingpong=pingpong, fallback=False)
     want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
     error = (got.cpu().double() - want).abs().max()
     assert error < 2e-2, f"persistent={persistent}, pingpong={pingpong}: max |error| {error:.2e}"
+
+
+@pytest.mark.parametrize("t, s, d, dtype, causal", [
+    (200, 200, 128, torch.bfloat16, True),    # T not a multiple of 128
+    (256, 256, 32, torch.float16, False),     # D = 32
+    (128, 300, 64, torch.float32, True),      # fp32
+])
+def test_hopper_attention_falls_back_where_its_schedule_does_not_apply(t, s, d, dtype, causal):
+    """Inputs the Gluon schedule does not take are computed by fast_attention, with the same answer; with
+    fallback=False they raise, naming fast_attention."""
+    from flashcourse.bench.fast import _inputs
+    from flashcourse.checks import reference
+    from flashcourse.engine.fast_attention import fast_attention
+
+    q, k, v = _inputs(1, 4, 2, t, s, d, dtype)
+    got = hopper_attention(q, k, v, causal=causal)
+    assert torch.equal(got, fast_attention(q, k, v, causal=causal))
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
+    assert (got.cpu().double() - want).abs().max() < 2e-2
+    with pytest.raises(ValueError, match="use fast_attention"):
+        hopper_attention(q, k, v, causal=causal, fallback=False)

@@ -14,6 +14,7 @@ defined and never quoted.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -41,6 +42,7 @@ HOPPER = "flashcourse/bench/measured/fast_hopper.json"              # 08: hopper
 HOPPER_REPORT = "benchmarks/results/2026-12-01-h200-hopper-gluon.md"  # 08: the same run, and the versions before it
 FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given steps: decode in one launch against two
 TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GPT from three seeds, three attentions
+BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the backward kernels against SDPA (bench_backward)
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -228,6 +230,18 @@ def _version(report: Report, version: int, column: str, at: int = 0) -> float:
     return float(re.findall(r"\d+(?:\.\d+)?", row[column])[at])
 
 
+# The columns of the Gluon report's table of the versions, that _version reads.
+CAUSAL_16K, CUDNN, FAST_SAME_RUN, OTHER_ROWS = ("causal D=128 T=16k", "cuDNN (same run)", "fast_attention (same run)",
+                                                "other rows")
+
+
+def _version_figures(version: int, **cells: tuple[str, int]) -> dict[str, Figure]:
+    """hopper.v<version>.<name> for each name=(column, at): the at-th number in that column of the version's row."""
+    return {f"hopper.v{version}.{name}": Figure(HOPPER_REPORT, functools.partial(_version, version=version,
+                                                                                  column=column, at=at))
+            for name, (column, at) in cells.items()}
+
+
 def _fused_over_two(data) -> list[float]:
     return [r["fused_decode"] / r["fast_decode"] for r in data["decode_fused"] if r["batch"] == 1]
 
@@ -381,31 +395,20 @@ FIGURES: dict[str, Figure] = {
     "hopper.repeat_rows_within_5": Figure(HOPPER, lambda d: sum(abs(x - 1) <= 0.05 for x in _hopper_repeats(d))),
     "hopper.repeat_worst_pct": Figure(HOPPER, lambda d: 100 * max(abs(x - 1) for x in _hopper_repeats(d))),
     # 08, step 5: the versions before hopper_attention, bf16 causal D = 128 T = 16k unless named (each its own run)
-    "hopper.v1.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 1, "causal D=128 T=16k")),
-    "hopper.v1.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 1, "cuDNN (same run)")),
-    "hopper.v1.fast_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 1, "fast_attention (same run)")),
-    "hopper.v2.causal_16k_2_stages": Figure(HOPPER_REPORT, lambda r: _version(r, 2, "causal D=128 T=16k", 0)),
-    "hopper.v2.causal_16k_3_stages": Figure(HOPPER_REPORT, lambda r: _version(r, 2, "causal D=128 T=16k", 2)),
-    "hopper.v2.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 2, "cuDNN (same run)")),
-    "hopper.v3.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "causal D=128 T=16k")),
-    "hopper.v3.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "cuDNN (same run)")),
-    "hopper.v3.full_16k_pingpong": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "other rows", 2)),
-    "hopper.v3.cudnn_full_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 3, "other rows", 3)),
-    "hopper.v4.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "causal D=128 T=16k", 0)),
-    "hopper.v4.one_per_item_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "causal D=128 T=16k", 1)),
-    "hopper.v4.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "cuDNN (same run)")),
-    "hopper.v4.full_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "other rows", 1)),
-    "hopper.v4.one_per_item_full_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "other rows", 2)),
-    "hopper.v4.cudnn_full_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 4, "other rows", 3)),
-    "hopper.v5.causal_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "causal D=128 T=16k", 0)),
-    "hopper.v5.one_per_item_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "causal D=128 T=16k", 1)),
-    "hopper.v5.cudnn_16k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "cuDNN (same run)")),
-    "hopper.v5.causal_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 1)),
-    "hopper.v5.one_per_item_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 2)),
-    "hopper.v5.cudnn_1k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 3)),
-    "hopper.v5.causal_2k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 6)),
-    "hopper.v5.one_per_item_2k": Figure(HOPPER_REPORT, lambda r: _version(r, 5, "other rows", 7)),
+    **_version_figures(1, causal_16k=(CAUSAL_16K, 0), cudnn_16k=(CUDNN, 0), fast_16k=(FAST_SAME_RUN, 0)),
+    **_version_figures(2, causal_16k_2_stages=(CAUSAL_16K, 0), causal_16k_3_stages=(CAUSAL_16K, 2),
+                       cudnn_16k=(CUDNN, 0)),
+    **_version_figures(3, causal_16k=(CAUSAL_16K, 0), cudnn_16k=(CUDNN, 0), full_16k_pingpong=(OTHER_ROWS, 2),
+                       cudnn_full_16k=(OTHER_ROWS, 3)),
+    **_version_figures(4, causal_16k=(CAUSAL_16K, 0), one_per_item_16k=(CAUSAL_16K, 1), cudnn_16k=(CUDNN, 0),
+                       full_1k=(OTHER_ROWS, 1), one_per_item_full_1k=(OTHER_ROWS, 2), cudnn_full_1k=(OTHER_ROWS, 3)),
+    **_version_figures(5, causal_16k=(CAUSAL_16K, 0), one_per_item_16k=(CAUSAL_16K, 1), cudnn_16k=(CUDNN, 0),
+                       causal_1k=(OTHER_ROWS, 1), one_per_item_1k=(OTHER_ROWS, 2), cudnn_1k=(OTHER_ROWS, 3),
+                       causal_2k=(OTHER_ROWS, 6), one_per_item_2k=(OTHER_ROWS, 7)),
     "training.seeds.from_step": Figure(TRAINING_SEEDS, lambda d: d["from_step"]),
+    # 06: how many times slower the backward is with dQ added by atomics than with dQ's own kernel
+    "backward.atomic_dq_slower_min": Figure(BACKWARD, lambda d: min(r["dq kernel"] / r["atomic dq"] for r in d["dq"]), 1),
+    "backward.atomic_dq_slower_max": Figure(BACKWARD, lambda d: max(r["dq kernel"] / r["atomic dq"] for r in d["dq"]), 1),
     "training.seeds.course_gap_max": Figure(TRAINING_SEEDS, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
     "training.seeds.torch_gap_max": Figure(TRAINING_SEEDS,
                                            lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),

@@ -25,7 +25,6 @@ by the number of calls. fast_decode's plain (eager) time is reported beside it.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -34,6 +33,8 @@ import re
 import torch
 
 from flashcourse.bench import GPU_NEEDED, environment
+from flashcourse.bench.reports import (label_panel, report_main, report_opening, report_parser, save_json,
+                                      show_report)
 
 TOKENS = 4 * 8192               # B * T held fixed
 PREFILL = [  # (dtype, causal, D, Hq, Hkv, lengths)
@@ -242,14 +243,14 @@ def _best_sdpa(row: dict) -> float:
 
 def report(result: dict) -> str:
     """The measurements as markdown tables."""
-    lines = ["# The fast kernel (assignment 05) against 04's kernel and SDPA", "",
-             f"Measured {result['environment']}.", "",
-             "Prefill times by triton.testing.do_bench (L2 flushed before each run); decode times per call of a "
-             "replayed CUDA graph that reads several copies of the cache in turn (eager: do_bench of plain calls); "
-             "every number from one process. TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. Errors: max |out - reference| over "
-             "batch 0, heads 0-1, the reference in FP32.", "",
-             "## Step by step: bf16, causal, D = 128, T = 8192, B = 4, H = 32", "",
-             "| step | TFLOP/s | ms |", "|---|---|---|"]
+    lines = report_opening(
+        "# The fast kernel (assignment 05) against 04's kernel and SDPA", result["environment"],
+        "Prefill times by triton.testing.do_bench (L2 flushed before each run); decode times per call of a "
+        "replayed CUDA graph that reads several copies of the cache in turn (eager: do_bench of plain calls); "
+        "every number from one process. TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. Errors: max |out - reference| over "
+        "batch 0, heads 0-1, the reference in FP32.",
+        "## Step by step: bf16, causal, D = 128, T = 8192, B = 4, H = 32")
+    lines += ["| step | TFLOP/s | ms |", "|---|---|---|"]
     lines += [f"| {r['step']} | {r['tflops']:.1f} | {r['ms']:.3f} |" for r in result["steps"]]
     names = ["fast_attention", "04 flash_attention", "SDPA flash", "SDPA cuDNN"]
     lines += ["", "## Prefill (TFLOP/s; T = S; B x T = %d)" % TOKENS, "",
@@ -289,20 +290,12 @@ def plot(result: dict, path: str):
             and r["q_heads"] == r["kv_heads"]]
     for name in ("fast_attention", "04 flash_attention", "SDPA flash", "SDPA cuDNN"):
         ax_prefill.plot([r["t"] for r in rows], [r[name] for r in rows], "o-", label=name)
-    ax_prefill.set_xscale("log", base=2)
-    ax_prefill.set_xlabel("T = S")
-    ax_prefill.set_ylabel("TFLOP/s")
-    ax_prefill.set_title("prefill: bf16 causal, D=128, H=32")
-    ax_prefill.legend()
+    label_panel(ax_prefill, "T = S", "TFLOP/s", "prefill: bf16 causal, D=128, H=32")
     rows = [r for r in result["decode"] if r["batch"] == 1]
     for name in ("fast_decode", "fast_decode eager", "SDPA flash", "SDPA cuDNN", "SDPA efficient", "04 flash_attention"):
         ax_decode.plot([r["s"] for r in rows], [r.get(name, math.nan) for r in rows], "o:" if "eager" in name else "o-", label=name)
     ax_decode.axhline(result["copy_tbs"], color="gray", ls="--", label="device copy")
-    ax_decode.set_xscale("log", base=2)
-    ax_decode.set_xlabel("S (keys)")
-    ax_decode.set_ylabel("TB/s of K and V read")
-    ax_decode.set_title("decode: B=1, Hq=32, Hkv=8, D=128, bf16")
-    ax_decode.legend()
+    label_panel(ax_decode, "S (keys)", "TB/s of K and V read", "decode: B=1, Hq=32, Hkv=8, D=128, bf16")
     fig.suptitle(result["environment"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -419,10 +412,10 @@ def lpt_groups(lengths=(1024, 2048, 4096, 8192, 16384), d=128) -> list[dict]:
 
 
 def lpt_groups_report(result: dict) -> str:
-    lines = [f"## Longest first within L2-sized head groups (a second process: bf16, causal, D = 128, H = 32, TFLOP/s)",
-             "", f"Measured {result['environment']}.", "",
-             "| T | B | heads per group | " + " | ".join(LPT_GROUP_NAMES) + " | L2 groups / fast | L2 groups error |",
-             "|---" * (3 + len(LPT_GROUP_NAMES) + 2) + "|"]
+    lines = report_opening("## Longest first within L2-sized head groups (a second process: bf16, causal, D = 128, "
+                           "H = 32, TFLOP/s)", result["environment"])
+    lines += ["| T | B | heads per group | " + " | ".join(LPT_GROUP_NAMES) + " | L2 groups / fast | L2 groups error |",
+              "|---" * (3 + len(LPT_GROUP_NAMES) + 2) + "|"]
     for r in result["lpt_groups"]:
         best = max(r["LPT, L2 groups"], r["persistent LPT, L2 groups"])
         lines.append(f"| {r['t']} | {r['batch']} | {r['head_group']} | " + " | ".join(f"{r[n]:.1f}" for n in LPT_GROUP_NAMES)
@@ -549,17 +542,17 @@ def profile_report(profile: dict) -> str:
 
 def last_gap_report(result: dict) -> str:
     """The last-gap measurements as markdown tables."""
-    lines = ["# The fast kernel's last gap to cuDNN: longest-first scheduling and an FP8 forward", "",
-             f"Measured {result['environment']}.", "",
-             "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. "
-             "Causal, T = S, B x T = %d, TFLOP/s = 2 B Hq T^2 D / time. FP8: e4m3 Q, K, V with one scale per 128 "
-             "rows, FP32 statistics, output in the input's dtype, timed on inputs already quantized; "
-             "'FP8 + quantize' includes quantizing them (PyTorch). Errors: max |out - reference| over batch 0, "
-             "heads 0-1, the reference in FP32." % TOKENS, "",
-             "## Prefill, causal (TFLOP/s)", "",
-             "| dtype | D | Hq/Hkv | T | B | " + " | ".join(LAST_GAP_NAMES) +
-             " | fast / cuDNN | best bf16 ours / cuDNN | FP8 / fast | fast error | FP8 error |",
-             "|---" * (5 + len(LAST_GAP_NAMES) + 5) + "|"]
+    lines = report_opening(
+        "# The fast kernel's last gap to cuDNN: longest-first scheduling and an FP8 forward", result["environment"],
+        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. "
+        "Causal, T = S, B x T = %d, TFLOP/s = 2 B Hq T^2 D / time. FP8: e4m3 Q, K, V with one scale per 128 "
+        "rows, FP32 statistics, output in the input's dtype, timed on inputs already quantized; "
+        "'FP8 + quantize' includes quantizing them (PyTorch). Errors: max |out - reference| over batch 0, "
+        "heads 0-1, the reference in FP32." % TOKENS,
+        "## Prefill, causal (TFLOP/s)")
+    lines += ["| dtype | D | Hq/Hkv | T | B | " + " | ".join(LAST_GAP_NAMES) +
+              " | fast / cuDNN | best bf16 ours / cuDNN | FP8 / fast | fast error | FP8 error |",
+              "|---" * (5 + len(LAST_GAP_NAMES) + 5) + "|"]
     for r in result["last_gap"]:
         best = max(r["fast_attention"], r["LPT order"], r["persistent LPT"])
         lines.append(f"| {r['dtype']} | {r['d']} | {r['q_heads']}/{r['kv_heads']} | {r['t']} | {r['batch']} | "
@@ -577,21 +570,6 @@ def last_gap_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _save_json(result: dict, path: str | None) -> None:
-    """Write the measurements so far to `path` (--json), if one was given."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-
-
-def _show_report(text: str, path: str | None) -> None:
-    """Print the markdown report and write it to `path` (--out), if one was given."""
-    print(text)
-    if path:
-        with open(path, "w") as f:
-            f.write(text)
-
-
 def last_gap_main(args) -> int:
     """--last-gap: the grid above, the FP8 error study and the grid-tail simulation, saved after every row."""
     processors = torch.cuda.get_device_properties(0).multi_processor_count
@@ -600,13 +578,13 @@ def last_gap_main(args) -> int:
               "tail": [tail(t, TOKENS // t, 32, bm, bm, processors) for t in (1024, 16384) for bm in (64, 128)]}
 
     def save():
-        _save_json(result, args.json)
+        save_json(result, args.json)
     print("fp8 errors", flush=True)
     result["fp8_errors"] = fp8_errors(result["fp8_errors_t"], result["fp8_errors_heads"])
     save()
     print("last gap", flush=True)
     last_gap(rows=result["last_gap"], done=save)
-    _show_report(last_gap_report(result), args.out)
+    show_report(last_gap_report(result), args.out)
     return 0
 
 
@@ -826,17 +804,18 @@ def decode_short(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, do
 
 def last_gap_2_report(result: dict, trials: dict | None = None) -> str:
     """The final grid with the lse forward, decode at short caches, and (when given) the trials, as markdown."""
-    lines = ["# The fast kernel's last gap, continued: a forward that returns lse, decode at short caches, Hopper's "
-             "pipelining options", "", f"Measured {result['environment']}.", "",
-             "Prefill times by triton.testing.do_bench (L2 flushed before each run); decode times per call of a "
-             "replayed CUDA graph over several copies of the cache (more than the L2 holds). Every number of the first "
-             "two tables from one process. TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal; T = S, "
-             f"B x T = {TOKENS}. Errors over batch 0, heads 0-1, against FP32: max |o - reference| and max |lse - "
-             "reference| (natural log).", "",
-             "## Prefill (TFLOP/s)", "",
-             "| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(LAST_GAP_2_NAMES) +
-             " | fast / cuDNN | lse / cuDNN | lse / fast | lse o error | lse error | lse config |",
-             "|---" * (6 + len(LAST_GAP_2_NAMES) + 6) + "|"]
+    lines = report_opening(
+        "# The fast kernel's last gap, continued: a forward that returns lse, decode at short caches, Hopper's "
+        "pipelining options", result["environment"],
+        "Prefill times by triton.testing.do_bench (L2 flushed before each run); decode times per call of a "
+        "replayed CUDA graph over several copies of the cache (more than the L2 holds). Every number of the first "
+        "two tables from one process. TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal; T = S, "
+        f"B x T = {TOKENS}. Errors over batch 0, heads 0-1, against FP32: max |o - reference| and max |lse - "
+        "reference| (natural log).",
+        "## Prefill (TFLOP/s)")
+    lines += ["| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(LAST_GAP_2_NAMES) +
+              " | fast / cuDNN | lse / cuDNN | lse / fast | lse o error | lse error | lse config |",
+              "|---" * (6 + len(LAST_GAP_2_NAMES) + 6) + "|"]
     for r in result["prefill"]:
         lines.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['d']} | {r['q_heads']}/{r['kv_heads']} | "
                      f"{r['t']} | {r['batch']} | " + " | ".join(f"{r[n]:.1f}" for n in LAST_GAP_2_NAMES) +
@@ -882,12 +861,12 @@ def last_gap_2_main(args) -> int:
     result = {"environment": environment(), "copy_tbs": copy_bandwidth(), "decode": [], "prefill": []}
 
     def save():
-        _save_json(result, args.json)
+        save_json(result, args.json)
     print("decode", flush=True)
     decode_short(rows=result["decode"], done=save)
     print("prefill", flush=True)
     prefill_with_lse(rows=result["prefill"], done=save)
-    _show_report(last_gap_2_report(result), args.out)
+    show_report(last_gap_2_report(result), args.out)
     return 0
 
 
@@ -906,14 +885,15 @@ def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
     rows = [] if rows is None else rows
     for row, q, k, v, flops, sdpa in _prefill_cases(grid):
         causal = row["causal"]
+        # hopper_attention with fallback=False: a shape it cannot run raises, never measures fast_attention
         impls = {"fast_attention": lambda: fast_attention(q, k, v, causal=causal),
-                 "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal), **sdpa}
+                 "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal, fallback=False), **sdpa}
         for name, (persistent, pingpong) in HOPPER_SCHEDULES.items():
             impls[name] = functools.partial(hopper_attention, q, k, v, causal=causal, persistent=persistent,
-                                            pingpong=pingpong)
+                                            pingpong=pingpong, fallback=False)
         _time_row(row, impls, flops)
         row["fast error"] = max_error(fast_attention(q, k, v, causal=causal), q, k, v, causal)
-        row["hopper error"] = max_error(hopper_attention(q, k, v, causal=causal), q, k, v, causal)
+        row["hopper error"] = max_error(hopper_attention(q, k, v, causal=causal, fallback=False), q, k, v, causal)
         rows.append(row)
         done()
         _print_row(row, impls)
@@ -923,16 +903,16 @@ def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
 def hopper_report(result: dict) -> str:
     """The grid of --hopper as markdown: the course's two forwards beside SDPA's, and hopper_attention's schedules."""
     schedules = list(HOPPER_SCHEDULES)
-    lines = ["# FlashAttention-3's schedule in Gluon: hopper_attention beside fast_attention and cuDNN", "",
-             f"Measured {result['environment']}.", "",
-             "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. "
-             f"TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal; T = S, B x T = {TOKENS}. Errors: max "
-             "|o - reference| over batch 0, heads 0-1, against FP32. hopper_attention's own schedule is "
-             "hopper_schedule's choice; the last four columns force each (persistent or one program per work item, "
-             "with or without the ping-pong).", "",
-             "| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(HOPPER_NAMES) +
-             " | hopper / cuDNN | best ours / cuDNN | hopper / fast | fast error | hopper error | " +
-             " | ".join(schedules) + " |", "|---" * (6 + len(HOPPER_NAMES) + 5 + len(schedules)) + "|"]
+    lines = report_opening(
+        "# FlashAttention-3's schedule in Gluon: hopper_attention beside fast_attention and cuDNN", result["environment"],
+        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. "
+        f"TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal; T = S, B x T = {TOKENS}. Errors: max "
+        "|o - reference| over batch 0, heads 0-1, against FP32. hopper_attention's own schedule is "
+        "hopper_schedule's choice; the last four columns force each (persistent or one program per work item, "
+        "with or without the ping-pong).")
+    lines += ["| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(HOPPER_NAMES) +
+              " | hopper / cuDNN | best ours / cuDNN | hopper / fast | fast error | hopper error | " +
+              " | ".join(schedules) + " |", "|---" * (6 + len(HOPPER_NAMES) + 5 + len(schedules)) + "|"]
     for r in result["prefill"]:
         best = max(r["fast_attention"], r["hopper_attention"])
         lines.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['d']} | {r['q_heads']}/{r['kv_heads']} | "
@@ -962,11 +942,7 @@ def hopper_plot(result: dict, path: str | None = None):
     for ax, grid, names, title in panels:
         for name in names:
             ax.plot([r["t"] for r in grid], [r[name] for r in grid], "o-", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("T = S")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(title)
-        ax.legend()
+        label_panel(ax, "T = S", "TFLOP/s", title)
     fig.suptitle(result["environment"])
     fig.tight_layout()
     if path:
@@ -977,8 +953,8 @@ def hopper_plot(result: dict, path: str | None = None):
 def _measure_main(args, key: str, measure, report) -> int:
     """One table: measure(rows=...) saved to --json after every row, then report(result) to --out."""
     result = {"environment": environment(), key: []}
-    measure(rows=result[key], done=lambda: _save_json(result, args.json))
-    _show_report(report(result), args.out)
+    measure(rows=result[key], done=lambda: save_json(result, args.json))
+    show_report(report(result), args.out)
     return 0
 
 
@@ -1012,16 +988,16 @@ def decode_fused(grid=SHORT_DECODE, q_heads=32, kv_heads=8, d=128, rows=None, do
 
 def decode_fused_report(result: dict) -> str:
     """--decode-fused's table as markdown: TB/s, and each decode as a share of the same-bytes copy."""
-    lines = ["# Decode in one launch (fused_decode) against two (fast_decode)", "",
-             f"Measured {result['environment']}.", "",
-             "TB/s of K and V read; Hq = 32, Hkv = 8, D = 128, bf16, T = 1. Every column is timed per call of a "
-             "replayed CUDA graph that reads several copies of the cache in turn (more than the L2 holds), in one "
-             "process; the same-bytes copy moves as many bytes (read plus written) as one decode reads. Both "
-             "decodes use short_cache_splits. Errors: max |o - reference| over batch 0, heads 0-1, the reference "
-             "in FP32.", "",
-             "| B | S | splits | " + " | ".join(FUSED_NAMES) + " | same-bytes copy | fused / copy | "
-             "two launches / copy | fused / two launches | fused / cuDNN | fused error | two-launch error |",
-             "|---" * (3 + len(FUSED_NAMES) + 7) + "|"]
+    lines = report_opening(
+        "# Decode in one launch (fused_decode) against two (fast_decode)", result["environment"],
+        "TB/s of K and V read; Hq = 32, Hkv = 8, D = 128, bf16, T = 1. Every column is timed per call of a "
+        "replayed CUDA graph that reads several copies of the cache in turn (more than the L2 holds), in one "
+        "process; the same-bytes copy moves as many bytes (read plus written) as one decode reads. Both "
+        "decodes use short_cache_splits. Errors: max |o - reference| over batch 0, heads 0-1, the reference "
+        "in FP32.")
+    lines += ["| B | S | splits | " + " | ".join(FUSED_NAMES) + " | same-bytes copy | fused / copy | "
+              "two launches / copy | fused / two launches | fused / cuDNN | fused error | two-launch error |",
+              "|---" * (3 + len(FUSED_NAMES) + 7) + "|"]
     for r in result["decode_fused"]:
         copy, fused = r["copy_same_bytes"], r["fused_decode"]
         lines.append(f"| {r['batch']} | {r['s']} | {r['splits']} | " + " | ".join(f"{r[n]:.2f}" for n in FUSED_NAMES)
@@ -1031,13 +1007,32 @@ def decode_fused_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _measure_default_run(args) -> dict:
+    """The run without a flag: the steps, decode and prefill (their small grid with --small), saved to --json after
+    every row."""
+    grid, decode_grid = PREFILL, DECODE
+    if args.small:
+        grid = [(dt, c, d, hq, hkv, tuple(t for t in ts if t in (1024, 8192)) or ts[:1])
+                for dt, c, d, hq, hkv, ts in PREFILL]
+        decode_grid = [(b, s) for b, s in DECODE if s in (32768, 131072)]
+    result = {"environment": environment(), "steps": [], "copy_tbs": math.nan, "decode": [], "prefill": []}
+
+    def save():
+        save_json(result, args.json)
+    print("steps", flush=True)
+    result["steps"] = steps()
+    save()
+    print("decode", flush=True)
+    result["copy_tbs"] = copy_bandwidth()
+    decode(decode_grid, rows=result["decode"], done=save)
+    print("prefill", flush=True)
+    prefill(grid, rows=result["prefill"], done=save)
+    return result
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="write the markdown report to this file")
-    parser.add_argument("--json", help="write the measurements as JSON to this file (after every row)")
-    parser.add_argument("--png", help="write the plot to this file")
+    parser = report_parser(__doc__)
     parser.add_argument("--small", action="store_true", help="a small grid: T = 1k, 8k; S = 32k, 128k")
-    parser.add_argument("--from-json", help="measure nothing: write the report and plot of this earlier --json")
     parser.add_argument("--last-gap", action="store_true", help="the causal grid with the longest-first and FP8 "
                         "kernels, the FP8 error study and the grid-tail simulation (--out, --json)")
     parser.add_argument("--lpt-groups", action="store_true", help="longest first over the grid and within L2-sized "
@@ -1061,7 +1056,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.last_gap_2_report:
         result, trials = (json.load(open(path)) for path in args.last_gap_2_report)
-        _show_report(last_gap_2_report(result, trials), args.out)
+        show_report(last_gap_2_report(result, trials), args.out)
         return 0
     if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2 or args.hopper
             or args.decode_fused) and not torch.cuda.is_available():
@@ -1083,8 +1078,8 @@ def main(argv=None) -> int:
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)
-        _save_json(result, args.json)
-        _show_report(text, args.out)
+        save_json(result, args.json)
+        show_report(text, args.out)
         return 0
     if args.ncu_csv:
         summary = [k for item in args.ncu_csv for k in ncu_summary(item.split("=", 1)[1], int(item.split("=", 1)[0]))]
@@ -1092,34 +1087,7 @@ def main(argv=None) -> int:
             json.dump({"kernels": summary}, f, indent=1)
         print(profile_report({"kernels": summary}))
         return 0
-    if args.from_json:
-        with open(args.from_json) as f:
-            result = json.load(f)
-    elif not torch.cuda.is_available():
-        print(GPU_NEEDED)
-        return 1
-    else:
-        grid, decode_grid = PREFILL, DECODE
-        if args.small:
-            grid = [(dt, c, d, hq, hkv, tuple(t for t in ts if t in (1024, 8192)) or ts[:1])
-                    for dt, c, d, hq, hkv, ts in PREFILL]
-            decode_grid = [(b, s) for b, s in DECODE if s in (32768, 131072)]
-        result = {"environment": environment(), "steps": [], "copy_tbs": math.nan, "decode": [], "prefill": []}
-
-        def save():
-            _save_json(result, args.json)
-        print("steps", flush=True)
-        result["steps"] = steps()
-        save()
-        print("decode", flush=True)
-        result["copy_tbs"] = copy_bandwidth()
-        decode(decode_grid, rows=result["decode"], done=save)
-        print("prefill", flush=True)
-        prefill(grid, rows=result["prefill"], done=save)
-    _show_report(report(result), args.out)
-    if args.png:
-        plot(result, args.png)
-    return 0
+    return report_main(args, _measure_default_run, report, plot)
 
 
 if __name__ == "__main__":
