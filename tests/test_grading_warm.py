@@ -1,6 +1,7 @@
 """The warm nbgrader server (autograder/grading/warm.py): every command in a fresh child, limited, killed at its
-timeout, and a server that dies is replaced."""
+timeout, a server that dies is replaced, and its kernel template leaves no folder behind."""
 
+import os
 import threading
 
 import pytest
@@ -64,12 +65,34 @@ def test_a_command_past_its_timeout_is_killed(server, tmp_path):
     assert _version(server, tmp_path, "next")[0] == 0
 
 
-def test_a_dead_server_is_replaced(tmp_path):
+def test_a_dead_server_is_replaced(tmp_path, monkeypatch):
     """After the server is killed, the next call starts a fresh one that runs commands."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # a server killed outright cannot remove its template's folder
+    monkeypatch.setattr(warm, "_server", warm.Server())  # the session's own server is left alone
     first = warm.server()
     first.process.kill()
     first.process.wait()
     second = warm.server()
-    assert second is not first and second.alive()
-    assert _version(second, tmp_path, "fresh")[0] == 0
+    try:
+        assert second is not first and second.alive()
+        assert _version(second, tmp_path, "fresh")[0] == 0
+    finally:
+        second.close()
 
+
+def test_the_kernel_template_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A root grader's kernel template keeps its files in a folder of its own, removed when the server ends."""
+    from autograder.jail import sandbox as jail
+
+    if os.geteuid() != 0 or jail.why_no_jail() is not None:
+        pytest.skip("a kernel template needs a root grader that can build a jail")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))   # where the server's tempfile puts the template's folder
+    server = warm.Server()
+    try:
+        assert _version(server, tmp_path, "first")[0] == 0   # answered: the template started before the loop
+        assert [p.name[:len("flashcourse-template-")] for p in scratch.iterdir()] == ["flashcourse-template-"]
+    finally:
+        server.close()
+    assert list(scratch.iterdir()) == [], "the kernel template's folder outlived the server"

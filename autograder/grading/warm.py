@@ -129,9 +129,18 @@ def _start_kernel_template():
 
 
 def serve(requests_fd: int = 0, answers_fd: int = 1) -> None:
-    """The server's loop: fork a child per request, report its pid and, once reaped, its exit status."""
+    """Serve until the grading process is gone; the kernel template, where there is one, ends with the server."""
     _preload()
-    template = _start_kernel_template()  # noqa: F841  (kept referenced: it lives as long as the server)
+    template = _start_kernel_template()  # lives as long as the server; closed (its folder removed) when it ends
+    try:
+        _serve(requests_fd, answers_fd)
+    finally:
+        if template is not None:
+            template.close()
+
+
+def _serve(requests_fd: int, answers_fd: int) -> None:
+    """The server's loop: fork a child per request, report its pid and, once reaped, its exit status."""
     gc.freeze()  # a command's collector never walks what the server built, so those pages stay shared
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
