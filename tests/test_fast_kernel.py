@@ -248,3 +248,11 @@ def test_decode_fused_refuses_a_cpu(capsys):
 
     assert main(["--decode-fused"]) == 1
     assert GPU_NEEDED in capsys.readouterr().out
+
+
+def test_fast_attention_lse_takes_no_window():
+    """A window, which the lse kernel does not apply, is refused rather than ignored."""
+    from flashcourse.engine.fast_lse import fast_attention_lse
+
+    with pytest.raises(TypeError, match="window"):
+        fast_attention_lse(ODD.q, ODD.k, ODD.v, window=4)

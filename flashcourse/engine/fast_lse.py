@@ -153,15 +153,16 @@ fast_lse_tuned = triton.autotune(configs=_lse_configs(), key=["T", "S", "D", "gr
 
 
 def fast_attention_lse(q, k, v, query_offset=None, causal=True, block_m=None, block_n=None, warp_specialize=False,
-                       **launch):
+                       num_warps=None, num_stages=None):
     """(o, lse): attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D], and lse [B, Hq, T] in FP32 (natural log).
 
     06's flash_attention_lse at the fast kernel's speed: query i sits at query_offset + i (default S - T),
     key j at j; a query that sees no key (a negative offset puts it before key 0) gets o = 0 and
     lse = -inf. No window. Without block_m and block_n, autotuned over LSE_CONFIGS; with them, the
-    kernel runs as given, with `warp_specialize` and `launch` (num_warps, num_stages).
+    kernel runs as given, with `warp_specialize`, `num_warps` and `num_stages`.
     """
     q, k, v, offset = _block_inputs(q, k, v, query_offset, block_m, block_n)
+    launch = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None}
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
     o = torch.empty_like(q)                                                  # [B, Hq, T, D]

@@ -1,0 +1,152 @@
+"""The engine's fast kernels over the inputs flash-attn's own tests use, judged by flash-attn's rule.
+
+The grid follows flash-attn's test suite (tests/test_flash_attn.py in Dao-AILab/flash-attention): its
+(T, S) pairs, head dimensions that are not powers of two, MHA, GQA and MQA, causal and full attention,
+bf16 and fp16. Its tolerance rule: a kernel's largest error against a float64 reference may be at most
+twice the error of plain PyTorch attention computed in the kernel's own dtype (plus a small floor).
+
+A causal mask with T != S is aligned bottom-right, as flash-attn aligns it: query i sits at S - T + i, so
+with T > S the first T - S queries see no key and give o = 0 (lse = -inf, gradients 0).
+
+Each kernel either computes a case within the rule or refuses it with a ValueError; `refusal` says which
+cases each kernel is documented to refuse. A ValueError elsewhere, or a case computed that is listed as
+refused, fails: the list is kept to what the kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+# flash-attn's (T, S) pairs and head dimensions; on a CPU (Triton's interpreter) a few small ones.
+GPU_PAIRS = [(113, 203), (128, 217), (113, 211), (108, 256), (256, 512), (512, 256), (1024, 1024),
+             (1023, 1024), (1024, 1023), (1, 239), (239, 1), (2048, 2048)]
+GPU_HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+CPU_PAIRS = [(1, 23), (23, 1), (13, 29), (29, 13), (31, 32)]
+CPU_HEAD_DIMS = [16, 40]
+HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}   # (query heads, KV heads)
+FLOOR = {torch.float32: 1e-5, torch.float16: 1e-4, torch.bfloat16: 1e-3}  # the rule's floor, per dtype
+
+
+@dataclass(frozen=True)
+class Case:
+    t: int
+    s: int
+    d: int
+    heads: str
+    causal: bool
+    dtype: torch.dtype
+
+    def __str__(self):
+        return (f"T={self.t} S={self.s} D={self.d} {self.heads} {'causal' if self.causal else 'full'} "
+                f"{str(self.dtype).removeprefix('torch.')}")
+
+
+def inputs(case: Case, device, batch: int = 2):
+    """q [B, Hq, T, D], k and v [B, Hkv, S, D] and do like q, seeded by the case, in its dtype."""
+    hq, hkv = HEADS[case.heads]
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.t} {case.s} {case.d} {case.heads} {case.causal}".encode()))
+    shapes = [(batch, hq, case.t, case.d), (batch, hkv, case.s, case.d), (batch, hkv, case.s, case.d),
+              (batch, hq, case.t, case.d)]
+    return [torch.randn(shape, generator=gen).to(device=device, dtype=case.dtype) for shape in shapes]
+
+
+def attention(q, k, v, causal: bool):
+    """Plain attention in q's dtype (float64 for the reference): (o, lse); bottom-right causal mask, rows
+    that see no key give o = 0 and lse = -inf."""
+    t, s, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])                  # [B, Hq, T, S]
+    if causal:
+        visible = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+        scores = scores.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(scores.float(), -1)                                   # [B, Hq, T]
+    p = torch.softmax(scores, -1).nan_to_num(0.0)                               # a row of -inf gives 0, not NaN
+    return p @ v, lse
+
+
+def error(got, want) -> float:
+    """Largest absolute difference, -inf against -inf counting as equal."""
+    got, want = got.detach(), want.detach()
+    both_inf = torch.isinf(got) & torch.isinf(want) & (got.sign() == want.sign())
+    return float(torch.where(both_inf, 0.0, (got.double() - want.double()).abs()).nan_to_num(math.inf).max())
+
+
+def within_rule(name: str, got, reference, pytorch, dtype) -> str | None:
+    """None if got's error is at most twice PyTorch's own error in the dtype plus the floor; else why not."""
+    mine, theirs = error(got, reference), error(pytorch, reference)
+    if mine <= 2 * theirs + FLOOR[dtype]:
+        return None
+    return f"{name}: error {mine:.3g} > 2 x PyTorch's {theirs:.3g} + {FLOOR[dtype]:g}"
+
+
+def _not_power_of_two(d: int) -> bool:
+    return d < 16 or d & (d - 1) != 0
+
+
+# What each kernel refuses with a ValueError (and why), as documented; None where it computes the case.
+def refusal(kernel: str, case: Case) -> str | None:
+    if _not_power_of_two(case.d):
+        return "the head dimension must be a power of two >= 16"
+    if kernel in ("fast_attention", "hopper_attention") and case.causal and case.t > case.s:
+        return "a causal mask with more queries than keys puts query 0 before key 0"
+    return None
+
+
+def run(kernel: str, case: Case, device) -> tuple[str, str]:
+    """("pass" | "refused" | "fail", detail) for one kernel on one case."""
+    from flashcourse.engine.backward import flash_attention_train
+    from flashcourse.engine.decode import fast_decode
+    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.fast_lse import fast_attention_lse
+
+    q, k, v, do = inputs(case, device)
+    if kernel == "fast_decode":
+        q, do = q[:, :, -1:], do[:, :, -1:]        # one new token after every key
+    expected = refusal(kernel, case)
+    leaves = [x.detach().clone().requires_grad_(kernel == "flash_attention_train") for x in (q, k, v)]
+    try:
+        if kernel == "fast_attention":
+            got = {"o": fast_attention(q, k, v, causal=case.causal)}
+        elif kernel == "fast_attention_lse":
+            o, lse = fast_attention_lse(q, k, v, causal=case.causal)
+            got = {"o": o, "lse": lse}
+        elif kernel == "fast_decode":
+            got = {"o": fast_decode(q, k, v)}
+        elif kernel == "hopper_attention":
+            from flashcourse.engine.hopper import hopper_attention
+
+            got = {"o": hopper_attention(q, k, v, causal=case.causal)}
+        else:
+            o = flash_attention_train(*leaves, causal=case.causal)
+            o.backward(do)
+            got = {"o": o, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    except ValueError as refused:
+        if expected is None:
+            return "fail", f"refused with ValueError, not documented as refused: {refused}"
+        if not str(refused):
+            return "fail", "refused with a ValueError that says nothing"
+        return "refused", str(refused)
+    if expected is not None:
+        return "fail", f"computed a case documented as refused ({expected}): update `refusal`"
+
+    causal = case.causal and kernel != "fast_decode"
+    failures = []
+    for which, dtype in (("reference", torch.float64), ("pytorch", case.dtype)):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        o, lse = attention(*xs, causal)
+        result = {"o": o, "lse": lse}
+        if "dq" in got:
+            result.update(zip(("dq", "dk", "dv"), torch.autograd.grad(o, xs, do.to(dtype))))
+        if which == "reference":
+            reference = result
+        else:
+            pytorch = result
+    for name, value in got.items():
+        why = within_rule(name, value, reference[name], pytorch[name], case.dtype)
+        if why:
+            failures.append(why)
+    return ("fail", "; ".join(failures)) if failures else ("pass", "")
