@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from flash_attn_grid import CPU_HEAD_DIMS, CPU_PAIRS, GPU_HEAD_DIMS, GPU_PAIRS, HEADS, Case, run
+from flash_attn_grid import CPU_HEAD_DIMS, CPU_PAIRS, GPU_HEAD_DIMS, GPU_PAIRS, HEADS, Case, refusal, run
 
 KERNELS = ["fast_attention", "fast_attention_lse", "flash_attention_train", "fast_decode"]
 
@@ -38,7 +38,7 @@ def test_grid_on_the_gpu(kernel, capsys):
         cases = [c for c in cases if c.t * c.s <= 1024 * 1024]   # the float64 autograd reference stays small
     outcomes = [(case, *run(kernel, case, "cuda")) for case in cases]
     counts = Counter(verdict for _, verdict, _ in outcomes)
-    refused = Counter(detail.split(",")[0] for _, verdict, detail in outcomes if verdict == "refused")
+    refused = Counter(refusal(kernel, case) for case, verdict, _ in outcomes if verdict == "refused")
     with capsys.disabled():
         print(f"\n{kernel}: {len(outcomes)} cases, {counts['pass']} passed, {counts['refused']} refused, "
               f"{counts['fail']} failed; refusals: {dict(refused)}")
