@@ -46,7 +46,8 @@ def check_kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
         raise ValueError(f"expected k and v of shape [{batch}, Hkv, S, {d}], got {list(k.shape)} and {list(v.shape)}")
     _check_heads(q_heads, k.shape[1])
     if d < 16 or d & (d - 1):
-        raise ValueError(f"the head dimension must be a power of two >= 16 (tl.dot and tl.arange need it), got {d}")
+        raise ValueError(f"the head dimension must be a power of two >= 16 (tl.dot and tl.arange need it), got {d}; "
+                         "flashcourse.engine.any_input pads any other one")
 
 
 def _check_heads(q_heads: int, kv_heads: int) -> None:

@@ -9,7 +9,8 @@ A causal mask with T != S is aligned bottom-right, as flash-attn aligns it: quer
 with T > S the first T - S queries see no key and give o = 0 (lse = -inf, gradients 0).
 
 Each kernel either computes a case within the rule or refuses it with a ValueError; `refusal` says which
-cases each kernel is documented to refuse. A ValueError elsewhere, or a case computed that is listed as
+cases each kernel is documented to refuse. The entry points of `flashcourse.engine.any_input` (08's step 7)
+and `hopper_attention` refuse none. A ValueError elsewhere, or a case computed that is listed as
 refused, fails: the list is kept to what the kernels do.
 """
 
@@ -87,41 +88,55 @@ def _not_power_of_two(d: int) -> bool:
     return d < 16 or d & (d - 1) != 0
 
 
+# The engine's entry points for any input (08's step 7) and the kernels they run; `hopper_attention` falls back
+# to `attention` where its own schedule does not apply.
+ANY_INPUT = {"attention": "fast_attention", "attention_lse": "fast_attention_lse",
+             "attention_train": "flash_attention_train", "decode": "fast_decode"}
+
+
 # What each kernel refuses with a ValueError (and why), as documented; None where it computes the case.
 def refusal(kernel: str, case: Case) -> str | None:
+    if kernel in ANY_INPUT or kernel == "hopper_attention":
+        return None
     if _not_power_of_two(case.d):
         return "the head dimension must be a power of two >= 16"
-    if kernel in ("fast_attention", "hopper_attention") and case.causal and case.t > case.s:
+    if kernel == "fast_attention" and case.causal and case.t > case.s:
         return "a causal mask with more queries than keys puts query 0 before key 0"
     return None
 
 
-def run(kernel: str, case: Case, device) -> tuple[str, str]:
-    """("pass" | "refused" | "fail", detail) for one kernel on one case."""
+def _function(kernel: str):
+    """The engine's function named `kernel`."""
+    from flashcourse.engine import any_input
     from flashcourse.engine.backward import flash_attention_train
     from flashcourse.engine.decode import fast_decode
     from flashcourse.engine.fast_attention import fast_attention
     from flashcourse.engine.fast_lse import fast_attention_lse
+    from flashcourse.engine.hopper import hopper_attention
 
+    kernels = {"fast_attention": fast_attention, "fast_attention_lse": fast_attention_lse, "fast_decode": fast_decode,
+               "flash_attention_train": flash_attention_train, "hopper_attention": hopper_attention}
+    return kernels[kernel] if kernel in kernels else getattr(any_input, kernel)
+
+
+def run(kernel: str, case: Case, device) -> tuple[str, str]:
+    """("pass" | "refused" | "fail", detail) for one kernel on one case."""
     q, k, v, do = inputs(case, device)
-    if kernel == "fast_decode":
+    role = ANY_INPUT.get(kernel, kernel)           # what the entry point computes
+    if role == "fast_decode":
         q, do = q[:, :, -1:], do[:, :, -1:]        # one new token after every key
-    expected = refusal(kernel, case)
+    expected, function = refusal(kernel, case), _function(kernel)
     try:
-        if kernel == "fast_attention":
-            got = {"o": fast_attention(q, k, v, causal=case.causal)}
-        elif kernel == "fast_attention_lse":
-            o, lse = fast_attention_lse(q, k, v, causal=case.causal)
+        if role == "fast_attention_lse":
+            o, lse = function(q, k, v, causal=case.causal)
             got = {"o": o, "lse": lse}
-        elif kernel == "fast_decode":
-            got = {"o": fast_decode(q, k, v)}
-        elif kernel == "hopper_attention":
-            from flashcourse.engine.hopper import hopper_attention
-
-            got = {"o": hopper_attention(q, k, v, causal=case.causal)}
+        elif role == "fast_decode":
+            got = {"o": function(q, k, v)}
+        elif role in ("fast_attention", "hopper_attention"):
+            got = {"o": function(q, k, v, causal=case.causal)}
         else:
             leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-            o = flash_attention_train(*leaves, causal=case.causal)
+            o = function(*leaves, causal=case.causal)
             o.backward(do)
             got = {"o": o, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     except ValueError as refused:

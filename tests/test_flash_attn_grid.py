@@ -7,14 +7,14 @@ from collections import Counter
 import pytest
 import torch
 
-from flash_attn_grid import CPU_HEAD_DIMS, CPU_PAIRS, GPU_HEAD_DIMS, GPU_PAIRS, HEADS, Case, refusal, run
+from flash_attn_grid import ANY_INPUT, CPU_HEAD_DIMS, CPU_PAIRS, GPU_HEAD_DIMS, GPU_PAIRS, HEADS, Case, refusal, run
 
-KERNELS = ["fast_attention", "fast_attention_lse", "flash_attention_train", "fast_decode"]
+KERNELS = ["fast_attention", "fast_attention_lse", "flash_attention_train", "fast_decode", *ANY_INPUT]
 
 
 def _cases(pairs, dims, dtypes, kernel):
     """Every pair, dim and dtype; the head layouts and masks taken in turn, not multiplied (decode: full only)."""
-    masks = [False] if kernel == "fast_decode" else [True, False]
+    masks = [False] if ANY_INPUT.get(kernel, kernel) == "fast_decode" else [True, False]
     layouts = itertools.cycle(itertools.product(HEADS, masks))
     return [Case(t, s, d, *next(layouts), dtype) for (t, s), d, dtype in itertools.product(pairs, dims, dtypes)]
 
@@ -34,7 +34,7 @@ def test_grid_on_the_cpu(kernel):
 def test_grid_on_the_gpu(kernel, capsys):
     """Flash-attn's pairs and head dims, bf16 and fp16: each case within its rule or refused as documented."""
     cases = _cases(GPU_PAIRS, GPU_HEAD_DIMS, [torch.bfloat16, torch.float16], kernel)
-    if kernel == "flash_attention_train":
+    if ANY_INPUT.get(kernel, kernel) == "flash_attention_train":
         cases = [c for c in cases if c.t * c.s <= 1024 * 1024]   # the float64 autograd reference stays small
     outcomes = [(case, *run(kernel, case, "cuda")) for case in cases]
     counts = Counter(verdict for _, verdict, _ in outcomes)
@@ -59,3 +59,33 @@ def test_the_rule_catches_a_classic_mistake():
     nan_rows = pytorch.clone()
     nan_rows[:, :, 0] = float("nan")                               # T > S: query 0 sees no key
     assert within_rule("o", nan_rows, reference, pytorch, torch.float32) is not None
+
+
+@pytest.mark.parametrize("d, dv", [(24, 40), (40, 16), (32, 64)])
+def test_values_of_their_own_width(d, dv):
+    """The any-input entry points take v of another width than q and k (queries and keys of 192, values of 128)."""
+    from flash_attn_grid import attention, within_rule
+    from flashcourse.engine import any_input
+
+    gen = torch.Generator().manual_seed(d * 100 + dv)
+    q, do = (torch.randn(2, 4, 13, w, generator=gen) for w in (d, dv))
+    k, v = torch.randn(2, 2, 29, d, generator=gen), torch.randn(2, 2, 29, dv, generator=gen)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = any_input.attention_train(*leaves)
+    o.backward(do)
+    got = {"o": o, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad,
+           "o of attention": any_input.attention(q, k, v), "o of attention_lse": any_input.attention_lse(q, k, v)[0],
+           "lse": any_input.attention_lse(q, k, v)[1], "o of decode": any_input.decode(q[:, :, -1:], k, v)}
+
+    def computed_in(dtype):
+        xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        o, lse = attention(*xs, True)
+        grads = torch.autograd.grad(o, xs, do.to(dtype))
+        return {"o": o, "dq": grads[0], "dk": grads[1], "dv": grads[2], "o of attention": o,
+                "o of attention_lse": o, "lse": lse, "o of decode": attention(*xs, False)[0][:, :, -1:]}
+
+    reference, pytorch = computed_in(torch.float64), computed_in(torch.float32)
+    assert got["o"].shape == (2, 4, 13, dv) and got["dv"].shape == v.shape
+    failures = [why for name, value in got.items()
+                if (why := within_rule(name, value, reference[name], pytorch[name], torch.float32))]
+    assert not failures, f"D = {d}, Dv = {dv}: " + "; ".join(failures)

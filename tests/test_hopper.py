@@ -222,8 +222,9 @@ def test_hopper_attention_refuses_what_it_cannot_run():
 
 
 def test_hopper_attention_falls_back_to_fast_attention():
-    """By default, inputs the schedule cannot run (here: no Hopper GPU, or T = 40, or fp32) are computed by 05's
-    fast_attention, with its answer and its errors (a causal query before key 0)."""
+    """By default, inputs the schedule cannot run (here: no Hopper GPU, or T = 40, or fp32) are computed by 08's
+    `attention`: 05's fast_attention, for any head dimension and for causal queries before key 0 too."""
+    from flashcourse.engine.any_input import attention
     from flashcourse.engine.fast_attention import fast_attention
     from flashcourse.engine.hopper import hopper_attention
 
@@ -232,8 +233,11 @@ def test_hopper_attention_falls_back_to_fast_attention():
     assert torch.equal(hopper_attention(q, k, v), fast_attention(q, k, v))
     assert torch.equal(hopper_attention(q, k, v, causal=False, query_offset=3),
                        fast_attention(q, k, v, causal=False, query_offset=3))
-    with pytest.raises(ValueError, match="before key 0"):
-        hopper_attention(q, k[:, :, :20], v[:, :, :20])
+    before = hopper_attention(q, k[:, :, :20], v[:, :, :20])          # T = 40 > S = 20: queries 0-19 see no key
+    assert torch.equal(before[:, :, :20], torch.zeros_like(before[:, :, :20]))
+    assert torch.equal(before[:, :, 20:], fast_attention(q[:, :, 20:], k[:, :, :20], v[:, :, :20], query_offset=0))
+    wide = torch.randn(1, 2, 40, 40, generator=gen)
+    assert torch.equal(hopper_attention(wide, wide, wide), attention(wide, wide, wide))
 
 
 def test_hopper_schedule_follows_the_measured_rule():
