@@ -490,6 +490,17 @@ def test_a_kernel_that_keeps_a_large_tensor_is_not_measured(start):
     kernel.close()
 
 
+def test_a_kernel_that_imported_triton_is_measured(start):
+    """A notebook that imports Triton and defines a kernel before a memory probe (some 190 MiB of address space
+    when imported first) holds no more than at start-up: the kernel imported it before the notebook ran."""
+    kernel = start()
+    run(kernel, "from flashcourse import runtime\nruntime.setup()\nimport triton\nimport triton.language as tl\n\n"
+                "@triton.jit\ndef copy(x, y):\n    tl.store(y, tl.load(x))\n")
+    with kernel.measured_child(kernel.start_size + (192 << 20), time.monotonic() + 60):   # 06's allowance
+        pass
+    kernel.close()
+
+
 def test_processes_die_with_the_jail(start):
     """Processes the notebook detached are counted at the end and do not outlive the jail."""
     started = start()
