@@ -7,6 +7,7 @@ before any kernel is defined; the engine's kernel modules call it on import for 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -32,12 +33,17 @@ def _in_colab() -> bool:
     return "google.colab" in sys.modules
 
 
+def interprets() -> bool:
+    """Whether setup() will choose Triton's interpreter here (no GPU, or DEVICE_ENV=cpu), without choosing."""
+    return os.environ.get(DEVICE_ENV, "auto") == "cpu" or not torch.cuda.is_available()
+
+
 def _choose() -> Runtime:
     colab = _in_colab()
     wanted = os.environ.get(DEVICE_ENV, "auto")
     if wanted == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"{DEVICE_ENV}=cuda, but torch sees no CUDA GPU here")
-    if wanted != "cpu" and torch.cuda.is_available():
+    if not interprets():
         name = torch.cuda.get_device_name()
         major, _ = torch.cuda.get_device_capability()
         # bf16 tensor cores arrive with Ampere (sm_80); a T4 (sm_75) gets fp16.
@@ -45,9 +51,22 @@ def _choose() -> Runtime:
         line = f"flashcourse: GPU {name}, Triton kernels compiled, dtype {str(dtype).removeprefix('torch.')}"
         return Runtime("cuda", dtype, False, colab, line)
     os.environ["TRITON_INTERPRET"] = "1"
+    _without_overflow_checks()
     why = f"{DEVICE_ENV}=cpu" if wanted == "cpu" else "no GPU found"
     line = f"flashcourse: {why}, Triton kernels run in the interpreter on the CPU, dtype float32"
     return Runtime("cpu", torch.float32, True, colab, line)
+
+
+def _without_overflow_checks() -> None:
+    """Triton's interpreter computes an overflow check of every integer +, - and * of a kernel, about a third of
+    its time, and asserts it only under its own `debug` option, which is off: the answer is thrown away. Off here
+    too; a Triton that keeps these options elsewhere, or has debug on, is left as it is."""
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow") and not options.debug:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def setup(quiet: bool = False) -> Runtime:

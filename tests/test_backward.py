@@ -182,6 +182,19 @@ def test_memory_check_flags_a_whole_p():
         bc.check_backward_memory(engine.attention_backward, whole)
 
 
+def test_the_probes_saved_forward_is_the_reference():
+    """The memory probe's o and lse, computed in float32 chunks of rows, equal the float64 reference's, with
+    rows before key 0 (o = 0, lse = -inf), GQA, and chunks that do not divide T."""
+    case = ac.make_case("chunks", batch=2, q_heads=4, kv_heads=2, t=23, s=17, d=8, seed=9)
+    case = ac.Case(case.name, case.q, case.k, case.v, query_positions=torch.arange(23) - 6)
+    want_o, want_lse = bc.saved(case)
+    got_o, got_lse = bc._saved_by_rows(case, chunk=5)
+    assert torch.allclose(got_o, want_o, atol=1e-6) and got_o.dtype == want_o.dtype
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse)) and bool(torch.isinf(got_lse[:, :, :6]).all())
+    finite = torch.isfinite(want_lse)
+    assert torch.allclose(got_lse[finite], want_lse[finite], atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["test_online_attention_lse", "test_online_attention_lse_edges", "test_attention_backward",
                                   "test_attention_backward_gqa", "test_attention_backward_edges"])
 def test_hidden_checks_pass_the_solution(name):

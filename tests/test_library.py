@@ -21,6 +21,21 @@ def test_runtime_chooses_the_interpreter_without_a_gpu(monkeypatch):
     assert __import__("os").environ["TRITON_INTERPRET"] == "1"
 
 
+def test_the_interpreter_skips_the_overflow_check_it_would_not_assert():
+    """On the CPU, setup() turns off the interpreter's integer-overflow check (computed for every +, - and *, and
+    asserted only under the interpreter's debug option, which is off): it made graded kernels a third slower."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from triton.runtime import interpreter
+
+    options = interpreter.interpreter_builder.options
+    if not hasattr(options, "sanitize_overflow"):
+        pytest.skip("this Triton's interpreter has no overflow check")
+    runtime.setup(quiet=True)
+    assert interpreter.interpreter_builder.options.sanitize_overflow is False
+    assert interpreter.interpreter_builder.options.debug is False   # with debug on, the check would be kept
+
+
 def test_the_device_can_be_forced():
     """FLASHCOURSE_DEVICE=cpu picks the interpreter even beside a GPU; =cuda without a GPU says so."""
     import os
