@@ -244,9 +244,10 @@ def _positions(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
             positions(case.key_positions, b, s, 0, "cpu").cpu())
 
 
-def _scores_and_mask(case: Case, bug: str | None = None):
-    """float64 scores [B, Hq, T, S], values [B, Hq, S, Dv] and mask [B, 1, T, S], with `bug` injected."""
-    q, k, v = (x.detach().cpu().double() for x in (case.q, case.k, case.v))
+def _scores_and_mask(case: Case, bug: str | None = None, dtype: torch.dtype = torch.float64):
+    """Scores [B, Hq, T, S] and values [B, Hq, S, Dv] in dtype (float64 unless said), and the mask [B, 1, T, S],
+    with `bug` injected."""
+    q, k, v = (x.detach().cpu().to(dtype) for x in (case.q, case.k, case.v))
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     group = hq // hkv

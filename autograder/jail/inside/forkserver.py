@@ -198,9 +198,7 @@ def main(control_fd: int) -> None:
     import torch  # noqa: F401  (what every kernel would import first)
     from flashcourse import runtime
 
-    if runtime.interprets():  # as the runner sets it, before Triton reads it
-        os.environ["TRITON_INTERPRET"] = "1"
-    import triton  # noqa: F401  (and what the runner imports before the notebook)
+    runtime.import_triton()  # and what the runner imports before the notebook
     from IPython.core.interactiveshell import InteractiveShell  # noqa: F401
 
     gc.freeze()  # a kernel's collector never walks the template's objects, so their pages stay shared

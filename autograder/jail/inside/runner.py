@@ -245,12 +245,10 @@ def main(in_fd: int, out_fd: int) -> None:
     sys.meta_path.append(Withheld())
     import torch  # noqa: F401  (imported before the notebook: part of the start-up the grader measures)
     # Triton too, which maps some 190 MiB of address space: a notebook that imports it before a memory probe then
-    # holds no more than one that does not. It reads TRITON_INTERPRET on import: set as runtime.setup() sets it.
+    # holds no more than one that does not.
     from flashcourse import runtime
 
-    if runtime.interprets():
-        os.environ["TRITON_INTERPRET"] = "1"
-    import triton  # noqa: F401
+    runtime.import_triton()
 
     torch.ones(64, 64) @ torch.ones(64, 64)  # start torch's thread pool now, not inside a measured call
     if os.environ.get(DEVICE_ENV) != "cpu" and torch.cuda.is_available():
