@@ -298,3 +298,46 @@ def test_an_autotuned_alias_computes_attention_through_the_graders_wrapper(tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     kind, error = run.stdout.split()[-2:]
     assert kind == "CompiledFirst" and float(error) < 1e-4  # compiled for sm_90 first, then interpreted
+
+
+SPECIALIZED = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    tl.static_assert(BLOCK <= 32)             # a constexpr the compile must see as given
+    offsets = tl.arange(0, n)                 # compiles only where Triton makes n a constant: n == 1
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets))
+'''
+
+
+def test_the_compile_check_keeps_what_changes_the_code(tmp_path):
+    """The sm_90 compile, cut at TTGIR and shared by launches of one specialization, still sees a 1 and a constexpr."""
+    sys.path.insert(0, str(ROOT / "autograder" / "jail" / "inside"))
+    try:
+        import kernel_host
+    finally:
+        sys.path.pop(0)
+    module = tmp_path / "kernels.py"
+    module.write_text(SPECIALIZED)
+    compiler = kernel_host.Compiler(str(module))
+    x = torch.zeros(64)
+
+    def compiles(n, block):
+        try:
+            compiler.check("copy_kernel", (x, n), {"BLOCK": block}, (1, 1, 1))
+            return True
+        except kernel_host.KernelDidNotCompile as refusal:
+            assert "does not compile for a GPU (sm_90)" in str(refusal)
+            return False
+
+    try:
+        assert compiles(1, 16)            # n = 1 is a constant: tl.arange(0, 1)
+        assert not compiles(16, 16)       # any other n is not, divisible by 16 or not
+        assert not compiles(17, 16)
+        assert not compiles(1, 64)        # the constexpr is compiled as given
+        assert compiles(1, 32)
+    finally:
+        compiler.process.kill()
