@@ -1,12 +1,14 @@
 """The engine's fast kernels over the inputs flash-attn's own tests use, judged by flash-attn's rule.
 
 The grid follows flash-attn's test suite (tests/test_flash_attn.py in Dao-AILab/flash-attention): its
-(T, S) pairs, head dimensions that are not powers of two, MHA, GQA and MQA, causal and full attention,
-bf16 and fp16. Its tolerance rule: a kernel's largest error against a float64 reference may be at most
+(T, S) pairs, head dimensions that are not powers of two, MHA, GQA and MQA, causal, local (a sliding
+window) and full attention, bf16 and fp16. Its tolerance rule: a kernel's largest error against a float64 reference may be at most
 twice the error of plain PyTorch attention computed in the kernel's own dtype (plus a small floor).
 
 A causal mask with T != S is aligned bottom-right, as flash-attn aligns it: query i sits at S - T + i, so
-with T > S the first T - S queries see no key and give o = 0 (lse = -inf, gradients 0).
+with T > S the first T - S queries see no key and give o = 0 (lse = -inf, gradients 0). A window w keeps the
+keys a query sees to its w latest positions: flash-attn's window_size (w - 1, 0), the local windows the course's
+kernels take (causal ones).
 
 Each kernel either computes a case within the rule or refuses it with a ValueError; `refusal` says which
 cases each kernel is documented to refuse. The entry points of `flashcourse.engine.any_input` (08's step 7)
@@ -40,29 +42,38 @@ class Case:
     heads: str
     causal: bool
     dtype: torch.dtype
+    window: int | None = None   # causal only: each query sees its `window` latest positions
 
     def __str__(self):
-        return (f"T={self.t} S={self.s} D={self.d} {self.heads} {'causal' if self.causal else 'full'} "
-                f"{str(self.dtype).removeprefix('torch.')}")
+        mask = f"window {self.window}" if self.window else "causal" if self.causal else "full"
+        return f"T={self.t} S={self.s} D={self.d} {self.heads} {mask} {str(self.dtype).removeprefix('torch.')}"
+
+
+def window_for(s: int) -> int:
+    """The grid's window over S keys: a third of them, so that a query sees some keys and misses others."""
+    return max(1, s // 3)
 
 
 def inputs(case: Case, device, batch: int = 2):
     """q [B, Hq, T, D], k and v [B, Hkv, S, D] and do like q, seeded by the case, in its dtype."""
     hq, hkv = HEADS[case.heads]
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.t} {case.s} {case.d} {case.heads} {case.causal}".encode()))
+    seed = f"{case.t} {case.s} {case.d} {case.heads} {case.causal}" + (f" {case.window}" if case.window else "")
+    gen = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
     shapes = [(batch, hq, case.t, case.d), (batch, hkv, case.s, case.d), (batch, hkv, case.s, case.d),
               (batch, hq, case.t, case.d)]
     return [torch.randn(shape, generator=gen).to(device=device, dtype=case.dtype) for shape in shapes]
 
 
-def attention(q, k, v, causal: bool):
-    """Plain attention in q's dtype (float64 for the reference): (o, lse); bottom-right causal mask, rows
-    that see no key give o = 0 and lse = -inf."""
+def attention(q, k, v, causal: bool, window: int | None = None):
+    """Plain attention in q's dtype (float64 for the reference): (o, lse); bottom-right causal mask (and
+    window), rows that see no key give o = 0 and lse = -inf."""
     t, s, group = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])                  # [B, Hq, T, S]
     if causal:
         visible = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+        if window:  # query i at s - t + i sees keys j > s - t + i - window
+            visible &= ~torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t - window)
         scores = scores.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(scores.float(), -1)                                   # [B, Hq, T]
     p = torch.softmax(scores, -1).nan_to_num(0.0)                               # a row of -inf gives 0, not NaN
@@ -96,6 +107,8 @@ ANY_INPUT = {"attention": "fast_attention", "attention_lse": "fast_attention_lse
 
 # What each kernel refuses with a ValueError (and why), as documented; None where it computes the case.
 def refusal(kernel: str, case: Case) -> str | None:
+    if kernel == "attention_train" and case.window:
+        return "attention_train takes no window (06's backward kernels have none)"
     if kernel in ANY_INPUT or kernel == "hopper_attention":
         return None
     if _not_power_of_two(case.d):
@@ -126,17 +139,18 @@ def run(kernel: str, case: Case, device) -> tuple[str, str]:
     if role == "fast_decode":
         q, do = q[:, :, -1:], do[:, :, -1:]        # one new token after every key
     expected, function = refusal(kernel, case), _function(kernel)
+    mask = {"causal": case.causal, **({"window": case.window} if case.window else {})}
     try:
         if role == "fast_attention_lse":
-            o, lse = function(q, k, v, causal=case.causal)
+            o, lse = function(q, k, v, **mask)
             got = {"o": o, "lse": lse}
         elif role == "fast_decode":
             got = {"o": function(q, k, v)}
         elif role in ("fast_attention", "hopper_attention"):
-            got = {"o": function(q, k, v, causal=case.causal)}
+            got = {"o": function(q, k, v, **mask)}
         else:
             leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-            o = function(*leaves, causal=case.causal)
+            o = function(*leaves, **mask)
             o.backward(do)
             got = {"o": o, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     except ValueError as refused:
@@ -151,7 +165,7 @@ def run(kernel: str, case: Case, device) -> tuple[str, str]:
     def computed_in(dtype):
         """What plain attention gives in dtype: o and lse, and the gradients where the kernel gave them."""
         xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-        o, lse = attention(*xs, case.causal)   # decode's one query, at S - 1, sees every key even when causal
+        o, lse = attention(*xs, case.causal, case.window)  # decode's one query, at S - 1, sees every key
         result = {"o": o, "lse": lse}
         if "dq" in got:
             result.update(zip(("dq", "dk", "dv"), torch.autograd.grad(o, xs, do.to(dtype))))

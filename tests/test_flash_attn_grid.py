@@ -7,16 +7,24 @@ from collections import Counter
 import pytest
 import torch
 
-from flash_attn_grid import ANY_INPUT, CPU_HEAD_DIMS, CPU_PAIRS, GPU_HEAD_DIMS, GPU_PAIRS, HEADS, Case, refusal, run
+from flash_attn_grid import (ANY_INPUT, CPU_HEAD_DIMS, CPU_PAIRS, GPU_HEAD_DIMS, GPU_PAIRS, HEADS, Case, refusal, run,
+                             window_for)
 
 KERNELS = ["fast_attention", "fast_attention_lse", "flash_attention_train", "fast_decode", *ANY_INPUT]
+WINDOWED = {"fast_attention", "fast_attention_lse", "attention", "attention_lse", "attention_train"}  # take `window`
 
 
 def _cases(pairs, dims, dtypes, kernel):
-    """Every pair, dim and dtype; the head layouts and masks taken in turn, not multiplied (decode: full only)."""
-    masks = [False] if ANY_INPUT.get(kernel, kernel) == "fast_decode" else [True, False]
+    """Every pair, dim and dtype; the head layouts and masks taken in turn, not multiplied (decode: full only;
+    a window only where the function takes one)."""
+    masks = ["full"] if ANY_INPUT.get(kernel, kernel) == "fast_decode" else \
+        ["causal", "full", "local"] if kernel in WINDOWED else ["causal", "full"]
     layouts = itertools.cycle(itertools.product(HEADS, masks))
-    return [Case(t, s, d, *next(layouts), dtype) for (t, s), d, dtype in itertools.product(pairs, dims, dtypes)]
+    cases = []
+    for (t, s), d, dtype in itertools.product(pairs, dims, dtypes):
+        heads, mask = next(layouts)
+        cases.append(Case(t, s, d, heads, mask != "full", dtype, window_for(s) if mask == "local" else None))
+    return cases
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -62,6 +70,20 @@ def test_the_rule_catches_a_classic_mistake():
     nan_rows = pytorch.clone()
     nan_rows[:, :, 0] = float("nan")                               # T > S: query 0 sees no key
     assert within_rule("o", nan_rows, reference, pytorch, torch.float32) is not None
+
+
+def test_the_window_reference_is_flash_attns():
+    """The reference's window w is flash-attn's window_size (w - 1, 0): a window one key wider breaks the rule."""
+    from flash_attn_grid import attention, inputs, within_rule
+
+    case = Case(29, 13, 16, "GQA", True, torch.float32, window=4)
+    q, k, v, _ = inputs(case, "cpu")
+    reference, lse = attention(q.double(), k.double(), v.double(), True, 4)
+    assert torch.isinf(lse[:, :, :16]).all() and torch.isfinite(lse[:, :, 16:]).all()  # T > S: 16 queries before key 0
+    scores = q[0, 0, -1].double() @ k[0, 0].double().T / 4                              # the last query sits at key 12
+    assert torch.allclose(lse[0, 0, -1], torch.logsumexp(scores[9:], 0).float())       # it sees keys 9..12
+    wider = attention(q, k, v, True, 5)[0]
+    assert within_rule("o", wider, reference, attention(q, k, v, True, 4)[0], torch.float32) is not None
 
 
 @pytest.mark.parametrize("d, dv", [(24, 40), (40, 16), (32, 64)])
