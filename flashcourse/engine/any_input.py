@@ -52,15 +52,18 @@ def attention(q, k, v, causal=True, query_offset=None, window=None):
     return fast_attention(q, k, v, query_offset=offset, window=window, causal=causal)[..., :dv]
 
 
-def attention_lse(q, k, v, causal=True, query_offset=None):
+def attention_lse(q, k, v, causal=True, query_offset=None, window=None):
     """(o [B, Hq, T, Dv], lse [B, Hq, T] FP32, natural log): 05's fast_attention_lse for any D and Dv."""
     q, k, v, dv = widened(q, k, v)
-    o, lse = fast_attention_lse(q, k, v, query_offset=query_offset, causal=causal)
+    o, lse = fast_attention_lse(q, k, v, query_offset=query_offset, causal=causal, window=window)
     return o[..., :dv], lse
 
 
-def attention_train(q, k, v, causal=True, query_offset=None):
-    """06's flash_attention_train (autograd differentiates it) for any D and Dv: o [B, Hq, T, Dv]."""
+def attention_train(q, k, v, causal=True, query_offset=None, window=None):
+    """06's flash_attention_train (autograd differentiates it) for any D and Dv: o [B, Hq, T, Dv]. No window."""
+    if window is not None:
+        raise ValueError("attention_train takes no window: 06's backward kernels have none (attention and "
+                         "attention_lse take one, for inference)")
     q, k, v, dv = widened(q, k, v)
     return flash_attention_train(q, k, v, query_offset=query_offset, causal=causal)[..., :dv]
 

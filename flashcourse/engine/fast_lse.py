@@ -33,16 +33,18 @@ def _attend_block(
     stride_vb, stride_vh, stride_vs,         # v's strides over batch, KV head and key
     stride_ob, stride_oh, stride_ot,         # o's strides over batch, head and query
     T, S, offset, kv_heads,                  # queries, keys, position of query 0, Hkv
+    window,                                  # key j is visible iff q_pos - window < j <= q_pos (if WINDOWED)
     qk_scale,                                # log2(e) / sqrt(D)
     D: tl.constexpr,                         # head dimension
     BLOCK_M: tl.constexpr,                   # queries per block
     BLOCK_N: tl.constexpr,                   # keys per tile
     CAUSAL: tl.constexpr,                    # hide keys after the query's position
+    WINDOWED: tl.constexpr,                  # a sliding window (causal only): every tile masked, none before it
     USE_TMA: tl.constexpr,                   # K and V through tensor descriptors
     STORE_LSE: tl.constexpr,                 # also write each row's log-sum-exp (natural log) to lse_row
     WARP_SPECIALIZE: tl.constexpr,           # ask the compiler to give the loops' copies and math to separate warps
 ):
-    """One query block of fast_fwd_kernel (exp2, the diagonal split, no window), wherever the grid puts it."""
+    """One query block of fast_fwd_kernel (exp2, the diagonal split or the window), wherever the grid puts it."""
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)       # [BLOCK_M] query indices
     cols = tl.arange(0, D)                               # [D]
     row_ok = rows < T
@@ -62,13 +64,18 @@ def _attend_block(
     else:
         stop = S
         diagonal = S
-    masked_from = (tl.maximum(tl.minimum(diagonal, stop), 0) // BLOCK_N) * BLOCK_N  # 0 if the block starts before key 0
-    for n0 in tl.range(0, masked_from, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
-                                 qk_scale, D, BLOCK_N, False, CAUSAL, False, True, USE_TMA, "ieee")
+    if WINDOWED:  # from the tile of the first key the block's first query sees, every tile masked
+        start = (tl.maximum(offset + block * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+        masked_from = start
+    else:
+        start = 0
+        masked_from = (tl.maximum(tl.minimum(diagonal, stop), 0) // BLOCK_N) * BLOCK_N  # 0 if the block starts before key 0
+    for n0 in tl.range(start, masked_from, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, window,
+                                 qk_scale, D, BLOCK_N, False, CAUSAL, WINDOWED, True, USE_TMA, "ieee")
     for n0 in tl.range(masked_from, stop, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, 0,
-                                 qk_scale, D, BLOCK_N, True, CAUSAL, False, True, USE_TMA, "ieee")
+        acc, l, m = _attend_tile(acc, l, m, q, k_src, v_src, kv_index, n0, q_pos, S, stride_ks, stride_vs, window,
+                                 qk_scale, D, BLOCK_N, True, CAUSAL, WINDOWED, True, USE_TMA, "ieee")
     seen = l > 0                                         # False for a row before key 0 (a negative offset) or past T
     o = acc / tl.where(seen, l, 1.0)[:, None]            # such a row stays 0
     tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + cols[None, :],
@@ -114,11 +121,13 @@ def fast_lse_kernel(
     stride_ob, stride_oh, stride_ot,         # o's strides over batch, head and query
     T, S, offset,                            # queries, keys, position of query 0 (may be negative)
     q_heads, group,                          # Hq; Hq // Hkv
+    window,                                  # key j is visible iff q_pos - window < j <= q_pos (if WINDOWED)
     qk_scale,                                # log2(e) / sqrt(D)
     D: tl.constexpr,                         # head dimension, a power of two >= 16
     BLOCK_M: tl.constexpr,                   # queries per program
     BLOCK_N: tl.constexpr,                   # keys per tile
     CAUSAL: tl.constexpr,                    # hide keys after the query's position
+    WINDOWED: tl.constexpr,                  # a sliding window (causal only)
     USE_TMA: tl.constexpr,                   # K and V through tensor descriptors
     WARP_SPECIALIZE: tl.constexpr,           # tl.range's warp specialization on the key loops
 ):
@@ -129,7 +138,8 @@ def fast_lse_kernel(
     _attend_block(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr + bh * T, block, bh // q_heads, h, h // group,
                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
                   stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_ot,
-                  T, S, offset, q_heads // group, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, True, WARP_SPECIALIZE)
+                  T, S, offset, q_heads // group, window, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, WINDOWED, USE_TMA,
+                  True, WARP_SPECIALIZE)
 
 
 LSE_CONFIGS = [  # (BLOCK_M, BLOCK_N, warps, stages, warp specialization): the fast kernel's configs
@@ -149,19 +159,24 @@ def _lse_configs():
                           pre_hook=_fit_descriptors) for bm, bn, w, st, ws in LSE_CONFIGS + hopper * HOPPER_LSE_CONFIGS]
 
 
-fast_lse_tuned = triton.autotune(configs=_lse_configs(), key=["T", "S", "D", "group", "CAUSAL"])(fast_lse_kernel)
+fast_lse_tuned = triton.autotune(configs=_lse_configs(), key=["T", "S", "D", "group", "CAUSAL", "WINDOWED"])(fast_lse_kernel)
 
 
-def fast_attention_lse(q, k, v, query_offset=None, causal=True, block_m=None, block_n=None, warp_specialize=False,
-                       num_warps=None, num_stages=None):
+def fast_attention_lse(q, k, v, query_offset=None, causal=True, window=None, block_m=None, block_n=None,
+                       warp_specialize=False, num_warps=None, num_stages=None):
     """(o, lse): attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D], and lse [B, Hq, T] in FP32 (natural log).
 
     06's flash_attention_lse at the fast kernel's speed: query i sits at query_offset + i (default S - T),
     key j at j; a query that sees no key (a negative offset puts it before key 0) gets o = 0 and
-    lse = -inf. No window. Without block_m and block_n, autotuned over LSE_CONFIGS; with them, the
-    kernel runs as given, with `warp_specialize`, `num_warps` and `num_stages`.
+    lse = -inf. `window` keeps each query's `window` latest positions (causal only). Without block_m and
+    block_n, autotuned over LSE_CONFIGS; with them, the kernel runs as given, with `warp_specialize`,
+    `num_warps` and `num_stages`.
     """
     q, k, v, offset = _block_inputs(q, k, v, query_offset, block_m, block_n)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal=True")
     launch = {name: value for name, value in (("num_warps", num_warps), ("num_stages", num_stages)) if value is not None}
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
@@ -169,12 +184,12 @@ def fast_attention_lse(q, k, v, query_offset=None, causal=True, block_m=None, bl
     lse = torch.empty(batch, q_heads, t, device=q.device, dtype=torch.float32)  # [B, Hq, T]
     tma = tma_supported(q)
     args = (q, *kv_sources(k, v, tma, block_n), o, lse, *_strides(q, k, v, o),
-            t, s, offset, q_heads, q_heads // kv_heads, LOG2E / math.sqrt(d))
+            t, s, offset, q_heads, q_heads // kv_heads, window or 0, LOG2E / math.sqrt(d))
     if block_m is None:
         grid = lambda meta: (triton.cdiv(t, meta["BLOCK_M"]), batch * q_heads)  # noqa: E731  (blocks from the config)
-        fast_lse_tuned[grid](*args, D=d, CAUSAL=causal, USE_TMA=tma, **launch)
+        fast_lse_tuned[grid](*args, D=d, CAUSAL=causal, WINDOWED=window is not None, USE_TMA=tma, **launch)
     else:
         fast_lse_kernel[(triton.cdiv(t, block_m), batch * q_heads)](
-            *args, D=d, CAUSAL=causal, USE_TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n,
+            *args, D=d, CAUSAL=causal, WINDOWED=window is not None, USE_TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n,
             WARP_SPECIALIZE=warp_specialize, **launch)
     return o, lse

@@ -55,7 +55,8 @@ def lpt_fwd_kernel(
         _attend_block(q_ptr, k_ptr, v_ptr, o_ptr, o_ptr, block, bh // q_heads, h, h // group,  # o_ptr for lse: unused
                       stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks,
                       stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_ot,
-                      T, S, offset, q_heads // group, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, USE_TMA, False, False)
+                      T, S, offset, q_heads // group, 0, qk_scale, D, BLOCK_M, BLOCK_N, CAUSAL, False, USE_TMA, False,
+                      False)
 
 
 def _lpt_configs():
