@@ -321,16 +321,17 @@ class Sm90Driver:  # stands in for the GPU driver: the target it names is an H10
 
 triton.runtime.driver.set_active(Sm90Driver())
 gl, results = fk.gl, []
-for d, causal, pingpong, persistent in json.loads(sys.argv[1]):
+for d, causal, pingpong, persistent, store_lse in json.loads(sys.argv[1]):
     q = torch.empty(512, d, dtype=torch.bfloat16)
     k = torch.empty(256, d, dtype=torch.bfloat16)
     q_desc = fk.GluonDescriptor.from_tensor(q, [64, d], gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16))
     kv_layout = gl.NVMMASharedLayout.get_default_for([fk.HOPPER_BLOCK_N, d], gl.bfloat16)
     k_desc = fk.GluonDescriptor.from_tensor(k, [fk.HOPPER_BLOCK_N, d], kv_layout)
     compiled = fk.hopper_fwd_kernel.warmup(
-        q_desc, k_desc, k_desc, torch.empty(1, 2, 256, d, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int32),
-        256, 256, 2, 1, 2, 0, 0.1, D=d, BLOCK_N=fk.HOPPER_BLOCK_N, STAGES=fk.HOPPER_STAGES, CAUSAL=causal,
-        PINGPONG=pingpong, PERSISTENT=persistent, num_warps=4, grid=(1,))
+        q_desc, k_desc, k_desc, torch.empty(1, 2, 256, d, dtype=torch.bfloat16), torch.empty(1, 2, 256),
+        torch.zeros(1, dtype=torch.int32), 256, 256, 2, 1, 2, 0, 0.1, D=d, BLOCK_N=fk.HOPPER_BLOCK_N,
+        STAGES=fk.HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong, PERSISTENT=persistent, STORE_LSE=store_lse,
+        num_warps=4, grid=(1,))
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
                     "shared": compiled.metadata.shared})
 print(json.dumps(results))
@@ -346,7 +347,7 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     import subprocess
     import sys
 
-    configs = [(128, True, True, True), (64, False, False, False), (128, False, True, False)]
+    configs = [(128, True, True, True, False), (64, False, False, False, True), (128, False, True, False, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(configs)], capture_output=True, text=True,
                           env=env, timeout=600)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashcourse.engine.fp8 import fp8_attention, random_rotation
-from flashcourse.engine.hopper import hopper_attention
+from flashcourse.engine.hopper import hopper_attention, hopper_attention_lse
 from flashcourse.engine.longest_first import lpt_attention
 
 pytestmark = [pytest.mark.gpu,
@@ -86,3 +86,29 @@ def test_hopper_attention_falls_back_where_its_schedule_does_not_apply(t, s, d, 
     assert (got.cpu().double() - want).abs().max() < 2e-2
     with pytest.raises(ValueError, match="use fast_attention"):
         hopper_attention(q, k, v, causal=causal, fallback=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
+    (2, 8, 2, 1024, 1024, 128, True),      # GQA 4
+    (1, 8, 8, 384, 1000, 64, True),        # queries at the end of a longer cache
+    (2, 4, 2, 256, 777, 128, False),       # not causal, S not a multiple of a tile
+])
+def test_hopper_attention_lse(persistent, batch, q_heads, kv_heads, t, s, d, causal):
+    """hopper_attention_lse's o is hopper_attention's, bit for bit, and its lse is an FP32 log-sum-exp within 1e-4
+    of one computed in FP64 from the same bf16 inputs."""
+    import math
+
+    gen = torch.Generator(device="cuda").manual_seed(t + s + d)
+    q = torch.randn(batch, q_heads, t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    o, lse = hopper_attention_lse(q, k, v, causal=causal, persistent=persistent, fallback=False)
+    assert torch.equal(o, hopper_attention(q, k, v, causal=causal, persistent=persistent, fallback=False))
+    scores = q.double() @ k.double().repeat_interleave(q_heads // kv_heads, 1).transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(~torch.ones(t, s, dtype=torch.bool, device="cuda").tril(s - t), -math.inf)
+    want = torch.logsumexp(scores, -1)
+    assert lse.dtype == torch.float32 and lse.shape == (batch, q_heads, t)
+    assert float((lse.double() - want).abs().max()) < 1e-4

@@ -757,6 +757,27 @@ def prefill_with_lse(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
     return rows
 
 
+def prefill_lse_forwards(grid=PREFILL) -> list[dict]:
+    """The prefill grid's forwards that return lse: 05's fast_attention_lse and 08's hopper_attention_lse (Gluon),
+    beside hopper_attention (no lse) and SDPA's cuDNN and flash backends, in TFLOP/s, with each lse's error."""
+    from flashcourse.engine.fast_lse import fast_attention_lse
+    from flashcourse.engine.hopper import hopper_attention, hopper_attention_lse
+
+    rows = []
+    for row, q, k, v, flops, sdpa in _prefill_cases(grid):
+        causal = row["causal"]
+        impls = {"fast_attention_lse": lambda: fast_attention_lse(q, k, v, causal=causal),
+                 "hopper_attention_lse": lambda: hopper_attention_lse(q, k, v, causal=causal, fallback=False),
+                 "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal, fallback=False), **sdpa}
+        _time_row(row, impls, flops)
+        o, lse = hopper_attention_lse(q, k, v, causal=causal, fallback=False)
+        row["hopper lse error"] = lse_error(lse, q, k, causal)
+        rows.append(row)
+        _print_row(row, impls, f"  hopper lse error {row['hopper lse error']:.1e}")
+        del o, lse
+    return rows
+
+
 def _decode_cases(grid, q_heads, kv_heads, d):
     """Each (B, S) of a decode grid: its row (B, S, cache copies, short_cache_splits, the same-bytes copy's TB/s),
     the bytes of K and V one decode reads, and several copies of the cache (more than the L2 holds)."""
@@ -1049,6 +1070,8 @@ def main(argv=None) -> int:
                         "the lse forward, in one process (--out, --json)")
     parser.add_argument("--hopper", action="store_true", help="the prefill grid with hopper_attention (Gluon, "
                         "FlashAttention-3's schedule) and each of its schedules, in one process (--out, --json)")
+    parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
+                        "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
                         "same-bytes copy: B = 1, S = 1k to 32k; B = 8, S = 1k and 8k (--out, --json)")
     parser.add_argument("--last-gap-2-report", nargs=2, metavar=("RESULT", "TRIALS"), help="measure nothing: the "
@@ -1059,7 +1082,7 @@ def main(argv=None) -> int:
         show_report(last_gap_2_report(result, trials), args.out)
         return 0
     if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2 or args.hopper
-            or args.decode_fused) and not torch.cuda.is_available():
+            or args.decode_fused or args.hopper_lse) and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
     if args.profile:
@@ -1073,6 +1096,9 @@ def main(argv=None) -> int:
         return last_gap_2_main(args)
     if args.hopper:
         return _measure_main(args, "prefill", prefill_hopper, hopper_report)
+    if args.hopper_lse:
+        save_json({"environment": environment(), "prefill": prefill_lse_forwards()}, args.json)
+        return 0
     if args.decode_fused:
         return _measure_main(args, "decode_fused", decode_fused, decode_fused_report)
     if args.lpt_groups:

@@ -53,9 +53,15 @@ def attention(q, k, v, causal=True, query_offset=None, window=None):
 
 
 def attention_lse(q, k, v, causal=True, query_offset=None, window=None):
-    """(o [B, Hq, T, Dv], lse [B, Hq, T] FP32, natural log): 05's fast_attention_lse for any D and Dv."""
+    """(o [B, Hq, T, Dv], lse [B, Hq, T] FP32, natural log) for any D and Dv: hopper_attention_lse where its schedule
+    applies, else 05's fast_attention_lse."""
     q, k, v, dv = widened(q, k, v)
-    o, lse = fast_attention_lse(q, k, v, query_offset=query_offset, causal=causal, window=window)
+    from flashcourse.engine.hopper import _hopper_refusal, hopper_attention_lse  # which imports this module
+
+    if window is None and _hopper_refusal(q, k, causal, query_offset) is None:
+        o, lse = hopper_attention_lse(q, k, v, causal=causal, query_offset=query_offset, fallback=False)
+    else:
+        o, lse = fast_attention_lse(q, k, v, query_offset=query_offset, causal=causal, window=window)
     return o[..., :dv], lse
 
 

@@ -138,9 +138,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _hopper_consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                        item_smem, o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
+                        item_smem, o_ptr, lse_ptr, T, S, query_offset, n_m, n_items, qk_scale,
                         HALF: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                        STORE_LSE: gl.constexpr):
         # One consumer warpgroup: HALF_M query rows of each item against its K/V tiles. Per tile j it issues
         # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
         # tensor cores.
@@ -215,6 +216,9 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             gl.store(o_ptr + (bh * T + rows)[:, None] * D + cols[None, :], out, mask=(rows < T)[:, None])
+            if STORE_LSE:  # m is in the log2 domain: ln(sum exp(s)) = (m + log2(l)) · ln(2); every row sees a key
+                lse_rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+                gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l)) * 0.6931471805599453, mask=lse_rows < T)
             mbarrier.wait(q_bar, done & 1)
             item = gl.max(item_smem.load(item_layout), axis=0)
 
@@ -224,6 +228,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
     def hopper_fwd_kernel(
         q_desc, k_desc, v_desc,                  # TMA descriptors: q [B*Hq*T, D] by 64 rows, k and v [B*Hkv*S, D]
         o_ptr,                                   # o [B, Hq, T, D], contiguous
+        lse_ptr,                                 # lse [B, Hq, T] FP32, natural log (written if STORE_LSE)
         queue_ptr,                               # int32 zero: the next work item, when PERSISTENT
         T, S, Hq, Hkv, B_HQ,                     # queries, keys, query heads, KV heads, B x Hq
         query_offset,                            # absolute position of query 0
@@ -234,6 +239,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         CAUSAL: gl.constexpr,
         PINGPONG: gl.constexpr,
         PERSISTENT: gl.constexpr,
+        STORE_LSE: gl.constexpr = False,
     ):
         HALF_M: gl.constexpr = 64
         BLOCK_M: gl.constexpr = 2 * HALF_M
@@ -265,11 +271,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
         gl.warp_specialize([
             (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                               item_smem, o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
-                               0, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG)),
+                               item_smem, o_ptr, lse_ptr, T, S, query_offset, n_m, n_items, qk_scale,
+                               0, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE)),
             (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                               item_smem, o_ptr, T, S, query_offset, n_m, n_items, qk_scale,
-                               1, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG)),
+                               item_smem, o_ptr, lse_ptr, T, S, query_offset, n_m, n_items, qk_scale,
+                               1, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE)),
             (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                             v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
                             HALF_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT)),
@@ -315,6 +321,24 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
         from flashcourse.engine.any_input import attention  # which imports this module
 
         return attention(q, k, v, causal=causal, query_offset=query_offset)
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_lse=False)[0]
+
+
+def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, fallback=True):
+    """(o, lse): hopper_attention's o and each row's log-sum-exp [B, Hq, T] in FP32 (natural log), as 05's
+    fast_attention_lse returns them. Where the schedule does not apply, step 7's `attention_lse`."""
+    refusal = _hopper_refusal(q, k, causal, query_offset)
+    if refusal is not None:
+        if not fallback:
+            raise refusal
+        from flashcourse.engine.any_input import attention_lse  # which imports this module
+
+        return attention_lse(q, k, v, causal=causal, query_offset=query_offset)
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_lse=True)
+
+
+def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_lse):
+    """(o, lse or None): hopper_fwd_kernel on inputs its schedule takes."""
     _check_inputs(q, k, v)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -325,6 +349,7 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32) if store_lse else None  # [B, Hq, T]
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_layout = gl.NVMMASharedLayout.get_default_for([HOPPER_BLOCK_M // 2, D], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([HOPPER_BLOCK_N, D], dtype)
@@ -337,7 +362,7 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
     programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
     queue = torch.zeros(1, dtype=torch.int32, device=q.device)
     hopper_fwd_kernel[(programs,)](
-        q_desc, k_desc, v_desc, o, queue, T, S, Hq, Hkv, B * Hq, query_offset, LOG2E / math.sqrt(D),
-        D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong, PERSISTENT=persistent,
-        num_warps=4)
-    return o
+        q_desc, k_desc, v_desc, o, o if lse is None else lse, queue, T, S, Hq, Hkv, B * Hq, query_offset,
+        LOG2E / math.sqrt(D), D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
+        PERSISTENT=persistent, STORE_LSE=store_lse, num_warps=4)
+    return o, lse
