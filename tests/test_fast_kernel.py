@@ -250,9 +250,29 @@ def test_decode_fused_refuses_a_cpu(capsys):
     assert GPU_NEEDED in capsys.readouterr().out
 
 
-def test_fast_attention_lse_takes_no_window():
-    """A window, which the lse kernel does not apply, is refused rather than ignored."""
+@pytest.mark.parametrize("window, offset", [(6, None), (1, None), (20, -7)])
+def test_fast_attention_lse_applies_a_window(window, offset):
+    """A window in the lse kernel, also with queries before key 0: o as the reference's, lse as its log-sum-exp
+    (-inf where a query sees no key); a window needs causal attention and at least one key."""
+    import math
+
+    from flashcourse.checks import reference
     from flashcourse.engine.fast_lse import fast_attention_lse
 
-    with pytest.raises(TypeError, match="window"):
-        fast_attention_lse(ODD.q, ODD.k, ODD.v, window=4)
+    q, k, v = (x.float() for x in (ODD.q, ODD.k, ODD.v))
+    t, s = q.shape[2], k.shape[2]
+    qp = torch.arange(t) + (s - t if offset is None else offset)
+    o, lse = fast_attention_lse(q, k, v, query_offset=offset, window=window, block_m=16, block_n=16)
+    seen = qp >= 0
+    want = reference.attention(q[:, :, seen], k, v, query_positions=qp[seen], window=window).float()
+    assert torch.allclose(o[:, :, seen], want, atol=1e-4), float((o[:, :, seen] - want).abs().max())
+    assert (o[:, :, ~seen] == 0).all()
+    group = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    keys = torch.arange(s)
+    visible = (keys[None, :] <= qp[:, None]) & (keys[None, :] > qp[:, None] - window)
+    want_lse = torch.logsumexp(scores.masked_fill(~visible, -math.inf), -1)
+    assert torch.allclose(lse, want_lse, atol=1e-4), float((lse - want_lse).nan_to_num().abs().max())
+    for bad in (dict(window=0), dict(window=4, causal=False)):
+        with pytest.raises(ValueError, match="window"):
+            fast_attention_lse(q, k, v, **bad)
