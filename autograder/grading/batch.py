@@ -44,7 +44,7 @@ from autograder.jail import cgroups, sandbox as jail
 # 07 5.4 / 4.3, 02 1.8 / 2.9, 01 1.8 / 1.4. An assignment not named here goes last. Every graded assignment is
 # named; 08, which has no graded cells, is never handed out (find_jobs reports a submission of it as not graded).
 LONGEST_FIRST = ("06_backward", "05_fast_kernel", "04_triton_flash", "03_online_attention", "07_ring_attention",
-                 "02_single_query", "01_online_softmax")
+                 "09_packed_paged", "02_single_query", "01_online_softmax")
 
 
 def find_jobs(submissions: Path) -> tuple[list[tuple[str, str, Path]], list[Outcome]]:
