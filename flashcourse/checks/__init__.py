@@ -8,6 +8,8 @@ triton_flash    04's and 05's kernel checks: block skipping, windows, dtypes, va
 triton_warmup   04's warm-up: the PyTorch specs of four small kernels and the checks that name their mistakes
 backward        06's checks: o and lse, gradients against autograd, Delta, P, the scale, GQA sums, NaN rows
 ring_attention  07's checks: the (o, lse) merge, the zigzag layout, rings run on real process groups
+packed_paged    09's checks: packed attention over cu_seqlens, the paged cache's address arithmetic, attention
+                read page by page (decode and chunked prefill)
 reference       the unfused attention every check compares with (float64 ground truth)
 recurrence      the online-softmax recurrence as data, tile by tile, with the classic bugs injectable
 """
