@@ -118,6 +118,15 @@ def _check_heads(q_heads, kv_heads):
         raise ValueError(f"query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
 
 
+def _check_alike(q, k, v, k_name, v_name):
+    """k and v have q's head dimension (their last), and all three one device and one dtype."""
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{k_name} and {v_name} must have q's head dimension {q.shape[-1]}, got {k.shape[-1]}")
+    if not (q.device == k.device == v.device) or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, {k_name} and {v_name} must share one device and dtype, got {q.device}/{q.dtype}, "
+                         f"{k.device}/{k.dtype} and {v.device}/{v.dtype}")
+
+
 
 
 @triton.jit
@@ -224,11 +233,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, cau
                          f"{list(k.shape)} and {list(v.shape)}")
     total_q, q_heads, d = q.shape
     total_k, kv_heads = k.shape[0], k.shape[1]
-    if k.shape[2] != d:
-        raise ValueError(f"k and v must have q's head dimension {d}, got {k.shape[2]}")
-    if not (q.device == k.device == v.device) or not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must share one device and dtype, got {q.device}/{q.dtype}, "
-                         f"{k.device}/{k.dtype} and {v.device}/{v.dtype}")
+    _check_alike(q, k, v, "k", "v")
     _check_head_dim(d)
     _check_heads(q_heads, kv_heads)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -425,11 +430,7 @@ def paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, splits=None):
                          f"{list(q.shape)}, {list(k_cache.shape)} and {list(v_cache.shape)}")
     batch, q_heads, d = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.shape[3] != d:
-        raise ValueError(f"k_cache and v_cache must have q's head dimension {d}, got {k_cache.shape[3]}")
-    if not (q.device == k_cache.device == v_cache.device) or not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must share one device and dtype, got {q.device}/{q.dtype}, "
-                         f"{k_cache.device}/{k_cache.dtype} and {v_cache.device}/{v_cache.dtype}")
+    _check_alike(q, k_cache, v_cache, "k_cache", "v_cache")
     _check_head_dim(d)
     _check_heads(q_heads, kv_heads)
     if page_size < 16 or page_size & (page_size - 1):
