@@ -87,3 +87,19 @@ def delegated_cgroups():
             for folder in sorted((p for p in [group, *group.rglob("*")] if p.is_dir()), key=lambda p: -len(p.parts)):
                 folder.rmdir()
 
+
+def assert_graph_replays_eager(fn, calls: list[tuple], replays: int) -> None:
+    """fn on each argument tuple of `calls`, captured in one CUDA graph and replayed `replays` times: every replay
+    writes exactly the eager outputs (each output is filled with NaN first, so a replay that writes nothing fails)."""
+    eager = [fn(*call) for call in calls]            # also allocates what fn keeps outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [fn(*call) for call in calls]
+    for replay in range(replays):
+        for out in outputs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (out, want) in enumerate(zip(outputs, eager)):
+            assert torch.equal(out, want), f"replay {replay}, call {i}: differs from the eager result"

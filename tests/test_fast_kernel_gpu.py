@@ -4,6 +4,7 @@ fp16 against an FP32 reference, and split-KV decode at long S."""
 import pytest
 import torch
 
+from conftest import assert_graph_replays_eager
 from flashcourse.engine.decode import decode_tickets, fast_decode, fused_decode, short_cache_splits
 from flashcourse.engine.fast_attention import fast_attention
 from flashcourse.engine.fast_lse import fast_attention_lse
@@ -121,16 +122,5 @@ def test_fused_decode_replayed_in_a_cuda_graph():
     from flashcourse.bench.fast import _inputs
 
     caches = [_inputs(1, 32, 8, 1, 8192, 128, torch.bfloat16, seed=i) for i in range(4)]
-    eager = [fused_decode(*cache) for cache in caches]      # also allocates the counters outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = [fused_decode(*cache) for cache in caches]
-    for replay in range(50):
-        for out in outputs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (out, want) in enumerate(zip(outputs, eager)):
-            assert torch.equal(out, want), f"replay {replay}, call {i}: differs from the eager result"
+    assert_graph_replays_eager(fused_decode, caches, replays=50)
     assert not decode_tickets("cuda", 8).any()

@@ -4,6 +4,7 @@ thousand, D = 64 and 128, pages of 16, 64 and 256 keys, against FP32 references 
 import pytest
 import torch
 
+from conftest import assert_graph_replays_eager
 from test_packed_paged_kernels import sequence_attention
 
 pytestmark = [pytest.mark.gpu,
@@ -132,18 +133,7 @@ def test_paged_decode_in_a_cuda_graph():
         keys = [torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lengths]
         values = [torch.randn(n, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for n in lengths]
         calls.append((q, *paged_from(keys, values, 16)))
-    eager = [paged_decode(*call) for call in calls]
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = [paged_decode(*call) for call in calls]
-    for replay in range(5):
-        for out in outputs:
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (out, want) in enumerate(zip(outputs, eager)):
-            assert torch.equal(out, want), f"replay {replay}, call {i}: differs from the eager result"
+    assert_graph_replays_eager(paged_decode, calls, replays=5)
 
 
 def test_float32_head_dimension_128():
