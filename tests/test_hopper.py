@@ -88,6 +88,67 @@ def test_quantize_blocks():
     assert amax[1, 1].max() == FP8_MAX
 
 
+def test_quantize_fp8_rounds_as_torch():
+    """Blocks whose largest |x| is 448 get scale 1, so quantize_fp8 rounds x itself: it gives PyTorch's e4m3 byte for
+    every e4m3 value, every midpoint between two (ties to even), the FP32 values just either side of each midpoint,
+    subnormals, ±0 and random values up to ±448, where Triton's own conversion in the interpreter would not."""
+    from flashcourse.engine.fp8 import FP8, quantize_fp8
+
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    values = values[(values >= 0) & values.isfinite()].unique().sort().values      # 0, 2^-9, ..., 448
+    mids = (values[1:] + values[:-1]) / 2
+    ys = torch.cat([values, mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(448.0)),
+                    torch.rand(4000, generator=torch.Generator().manual_seed(0)) * 448, torch.tensor([-0.0, 2.0**-11])])
+    ys = torch.cat([ys, -ys])
+    per_block = 16 * 32 - 1                                                 # one entry of each block is 448
+    ys = torch.cat([ys, torch.zeros(-ys.numel() % per_block)]).view(-1, per_block)
+    x = torch.cat([torch.full((ys.shape[0], 1), 448.0), ys], dim=1).view(1, 1, -1, 32)  # [1, 1, N, 32]
+    x8, scales = quantize_fp8(x.to(RT.device), 16)
+    assert (scales == 1.0).all()
+    got, want = x8.cpu().view(torch.uint8).flatten(), x.to(FP8).view(torch.uint8).flatten()
+    wrong = (got != want).nonzero().flatten()
+    assert wrong.numel() == 0, f"{wrong.numel()} values rounded unlike torch, e.g. {x.flatten()[wrong[:5]].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [16, 24])
+def test_quantize_fp8_matches_quantize_blocks(dtype, block):
+    """The one-pass kernel gives quantize_blocks's bytes and scales bit for bit: N = 45 (no block divides it), a block
+    of zeros (scale 1), heads 1000 times apart, a block of 24 rows (not a power of two); transposed, Vᵀ [B, H, D, 48]
+    holds the same bytes and zeros in its padding columns."""
+    from flashcourse.engine.fp8 import quantize_blocks, quantize_fp8
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 45, 32, generator=gen) * torch.tensor([1.0, 30.0, 0.03])[None, :, None, None]
+    x[1, 0, block:2 * block] = 0.0
+    x = x.to(dtype)
+    want8, want_scales = quantize_blocks(x, block)
+    assert want_scales[1, 0, 1] == 1.0
+    x8, scales = quantize_fp8(x.to(RT.device), block)
+    assert x8.shape == want8.shape and x8.dtype == want8.dtype
+    assert torch.equal(x8.cpu().view(torch.uint8), want8.view(torch.uint8)), "e4m3 bytes differ from quantize_blocks's"
+    assert torch.equal(scales.cpu(), want_scales), "scales differ from quantize_blocks's"
+    v_t, v_scales = quantize_fp8(x.to(RT.device), block, transpose=True)
+    assert v_t.shape == (2, 3, 32, 48)
+    assert torch.equal(v_t[..., :45].cpu().view(torch.uint8), want8.transpose(2, 3).view(torch.uint8))
+    assert not v_t[..., 45:].cpu().view(torch.uint8).any(), "Vᵀ's padding columns must be zero"
+    assert torch.equal(v_scales.cpu(), want_scales)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_prepare_fp8_matches_its_pytorch_path(rotate):
+    """prepare_fp8 (quantize_fp8 three times) holds the same bytes and scales as quantize_blocks three times and a
+    transposed, padded copy of V, GQA, T = 45 and S = 51, with and without the rotation of Q and K."""
+    from flashcourse.bench.fast import fp8_inputs_equal, prepare_fp8_torch
+    from flashcourse.engine.fp8 import prepare_fp8, random_rotation
+
+    rotation = random_rotation(32, seed=0, device=RT.device) if rotate else None
+    got = prepare_fp8(ODD.q, ODD.k, ODD.v, rotation)
+    want = prepare_fp8_torch(ODD.q, ODD.k, ODD.v, rotation)
+    assert got.v_t.shape == want.v_t.shape == (2, 2, 32, 64) and got.rotated == rotate
+    assert fp8_inputs_equal(got, want)
+
+
 def test_rotation_spreads_an_outlier():
     """A channel 100 times larger than the rest: rotating Q and K first makes the quantized scores closer to QKᵀ."""
     from flashcourse.engine.fp8 import quantize_blocks, random_rotation

@@ -39,6 +39,23 @@ def test_fp8_long(d, causal, rotate):
     assert rms_error(out, q, k, v, causal) < 3e-2 and max_error(out, q, k, v, causal) < 0.5
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_prepare_fp8_matches_its_pytorch_path(dtype, rotate):
+    """prepare_fp8 (quantize_fp8, one compiled pass per tensor) holds the same bytes and scales as quantize_blocks
+    three times and a transposed, padded copy of V, bit for bit: T = S = 2125 (no block divides it), GQA 4, D = 128,
+    a block of zeros, with and without the rotation of Q and K."""
+    from flashcourse.bench.fast import _inputs, fp8_inputs_equal, prepare_fp8_torch
+    from flashcourse.engine.fp8 import prepare_fp8
+
+    q, k, v = _inputs(2, 8, 2, 2125, 2125, 128, dtype)
+    v[1, 1, 128:256] = 0.0
+    rotation = random_rotation(128, seed=0, device="cuda") if rotate else None
+    got, want = prepare_fp8(q, k, v, rotation), prepare_fp8_torch(q, k, v, rotation)
+    assert got.v_t.shape == (2, 2, 128, 2128) and not got.v_t[..., 2125:].view(torch.uint8).any()
+    assert fp8_inputs_equal(got, want)
+
 def _hopper_with_gluon() -> bool:
     from flashcourse.engine import hopper
 

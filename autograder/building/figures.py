@@ -43,6 +43,7 @@ HOPPER_REPORT = "benchmarks/results/2026-12-01-h200-hopper-gluon.md"  # 08: the 
 FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given steps: decode in one launch against two
 TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GPT from three seeds, three attentions
 BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the backward kernels against SDPA (bench_backward)
+FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08: one-pass quantize, FP8 end to end
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -190,6 +191,16 @@ def _tail(data, t: int, block_m: int, order: str) -> float:
 
 def _fp8_error(data, inputs: str, method: str, kind: str) -> float:
     return next(r[kind] for r in data["fp8_errors"] if r["inputs"] == inputs and r["method"] == method)
+
+
+def _fp8_prepare(data, t: int, causal: bool = True) -> dict:
+    """The --fp8-prepare row at T = t (bf16, D = 128, H = 32)."""
+    return next(r for r in data["fp8_prepare"] if (r["t"], r["causal"]) == (t, causal))
+
+
+def _end_to_end_over(data, under: str) -> list[float]:
+    """fp8_attention's TFLOP/s from bf16 inputs over `under`'s, at every --fp8-prepare row."""
+    return [r["fp8_attention"] / r[under] for r in data["fp8_prepare"]]
 
 
 def _groups_over_fast(data) -> list[float]:
@@ -352,14 +363,23 @@ FIGURES: dict[str, Figure] = {
     "gap.lpt.groups_over_fast_max": Figure(LPT_GROUPS, lambda d: max(_groups_over_fast(d)), 2),
     "gap.lpt.group_heads_1k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][0]["head_group"]),
     "gap.lpt.group_heads_16k": Figure(LPT_GROUPS, lambda d: d["lpt_groups"][-1]["head_group"]),
-    # 08, step 6: FP8 speed (kernel alone, and with PyTorch's quantization) and error (RMS in units of 10^-3)
+    # 08, step 6: FP8 speed (kernel alone, and end to end with the quantization) and error (RMS in units of 10^-3)
     "gap.fp8.over_fast_d128_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=128)), 2),
     "gap.fp8.over_fast_d128_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "FP8", d=128)), 2),
     "gap.fp8.over_fast_d64_min": Figure(LAST_GAP, lambda d: min(_gap_ratios(d, "FP8", d=64)), 2),
     "gap.fp8.over_fast_d64_max": Figure(LAST_GAP, lambda d: max(_gap_ratios(d, "FP8", d=64)), 2),
     "gap.fp8.tflops_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["FP8"]),
-    "gap.fp8.quantize_tflops_1k": Figure(LAST_GAP, lambda d: _gap(d, 1024)["FP8 + quantize"]),
-    "gap.fp8.quantize_tflops_16k": Figure(LAST_GAP, lambda d: _gap(d, 16384)["FP8 + quantize"]),
+    "gap.fp8.prepare_torch_ms": Figure(FP8_PREPARE, lambda d: _fp8_prepare(d, 8192)["prepare_torch_ms"], 1),
+    "gap.fp8.prepare_ms": Figure(FP8_PREPARE, lambda d: _fp8_prepare(d, 8192)["prepare_ms"], 2),
+    "gap.fp8.torch_quantize_tflops_4k": Figure(FP8_PREPARE,
+                                               lambda d: _fp8_prepare(d, 4096)["fp8_attention, PyTorch quantize"]),
+    "gap.fp8.torch_quantize_tflops_16k": Figure(FP8_PREPARE,
+                                                lambda d: _fp8_prepare(d, 16384)["fp8_attention, PyTorch quantize"]),
+    "gap.fp8.end_to_end_tflops_16k": Figure(FP8_PREPARE, lambda d: _fp8_prepare(d, 16384)["fp8_attention"]),
+    "gap.fp8.end_to_end_over_hopper_min": Figure(FP8_PREPARE, lambda d: min(_end_to_end_over(d, "hopper_attention")), 2),
+    "gap.fp8.end_to_end_over_hopper_max": Figure(FP8_PREPARE, lambda d: max(_end_to_end_over(d, "hopper_attention")), 2),
+    "gap.fp8.end_to_end_over_cudnn_min": Figure(FP8_PREPARE, lambda d: min(_end_to_end_over(d, "SDPA cuDNN")), 2),
+    "gap.fp8.end_to_end_over_cudnn_max": Figure(FP8_PREPARE, lambda d: max(_end_to_end_over(d, "SDPA cuDNN")), 2),
     "gap.fp8.rms_bf16_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "bf16 fast_attention", "rms"), 2),
     "gap.fp8.rms_fp8_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8", "rms"), 2),
     "gap.fp8.rms_rot_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8 + rotation", "rms"), 2),

@@ -455,6 +455,97 @@ def fp8_errors(t: int = 4096, heads: int = 4, d: int = 128, causal: bool = True)
     return rows
 
 
+# --- FP8 end to end: prepare_fp8 in one Triton pass against its PyTorch path -----------------------------------
+
+FP8_PREPARE = [(True, 4096), (True, 8192), (True, 16384), (False, 8192)]   # (causal, T = S): bf16, D = 128, H = 32
+FP8_PREPARE_NAMES = ["SDPA cuDNN", "hopper_attention", "FP8 kernel", "fp8_attention, PyTorch quantize", "fp8_attention"]
+
+
+def prepare_fp8_torch(q, k, v, rotation=None, block=None):
+    """prepare_fp8 as it was before quantize_fp8: quantize_blocks three times in PyTorch, then a transposed, padded
+    copy of V. The reference prepare_fp8 must match bit for bit, and its time before."""
+    import triton
+
+    from flashcourse.engine.fp8 import FP8, Fp8Inputs, fp8_block, quantize_blocks
+
+    block = fp8_block() if block is None else block
+    if rotation is not None:
+        q, k = q.float() @ rotation, k.float() @ rotation
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_blocks(x, block) for x in (q, k, v))
+    s = v.shape[2]
+    v_t = torch.zeros(*v.shape[:2], v.shape[3], triton.cdiv(s, 16) * 16, device=v.device, dtype=FP8)
+    v_t[..., :s] = v8.transpose(2, 3)
+    return Fp8Inputs(q8, q_scale, k8, k_scale, v_t, v_scale, block, rotation is not None)
+
+
+def fp8_inputs_equal(a, b) -> bool:
+    """Whether two Fp8Inputs hold the same bytes and the same scales."""
+    return all(torch.equal(getattr(a, f).view(torch.uint8), getattr(b, f).view(torch.uint8)) for f in ("q", "k", "v_t")) \
+        and all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("q_scale", "k_scale", "v_scale"))
+
+
+def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None) -> list[dict]:
+    """prepare_fp8's time (ms) in one Triton pass and in PyTorch, and fp8_attention end to end on bf16 inputs beside
+    cuDNN, hopper_attention and the FP8 kernel alone (TFLOP/s), one process; B x T = TOKENS."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fp8 import fp8_attention, fp8_forward, prepare_fp8, random_rotation
+    from flashcourse.engine.hopper import hopper_attention
+
+    rows = [] if rows is None else rows
+    rotation = random_rotation(d, seed=0, device="cuda")
+    for causal, t in grid:
+        batch = max(1, TOKENS // t)
+        q, k, v = _inputs(batch, heads, heads, t, t, d, torch.bfloat16)
+        prepared = prepare_fp8(q, k, v)
+        row = dict(causal=causal, t=t, batch=batch, d=d, heads=heads,
+                   identical=fp8_inputs_equal(prepared, prepare_fp8_torch(q, k, v)),
+                   identical_rotated=fp8_inputs_equal(prepare_fp8(q, k, v, rotation), prepare_fp8_torch(q, k, v, rotation)),
+                   prepare_torch_ms=_ms(lambda: prepare_fp8_torch(q, k, v)), prepare_ms=_ms(lambda: prepare_fp8(q, k, v)))
+        flops = (2.0 if causal else 4.0) * batch * heads * t * t * d
+        impls = {"SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, False)(q, k, v),
+                 "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal, fallback=False),
+                 "FP8 kernel": lambda: fp8_forward(prepared, causal=causal, out_dtype=torch.bfloat16),
+                 "fp8_attention, PyTorch quantize": lambda: fp8_forward(prepare_fp8_torch(q, k, v), causal=causal,
+                                                                        out_dtype=torch.bfloat16),
+                 "fp8_attention": lambda: fp8_attention(q, k, v, causal=causal)}
+        for name, fn in impls.items():
+            row[name] = flops / _or_nan(_ms, fn) / 1e9
+        row["fp8_attention error"] = max_error(fp8_attention(q, k, v, causal=causal), q, k, v, causal)
+        rows.append(row)
+        done()
+        print(f"  {'causal' if causal else 'not causal'} T={t:5d} B={batch:2d}: prepare {row['prepare_torch_ms']:.2f} -> "
+              f"{row['prepare_ms']:.2f} ms (identical: {row['identical']}, rotated {row['identical_rotated']}); "
+              + ", ".join(f"{n} {row[n]:.0f}" for n in impls), flush=True)
+        del q, k, v, prepared
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_prepare_report(result: dict) -> str:
+    """--fp8-prepare's table as markdown."""
+    lines = report_opening(
+        "# FP8 end to end: prepare_fp8 in one Triton pass", result["environment"],
+        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. bf16 inputs, "
+        f"D = 128, Hq = Hkv = 32, T = S, B x T = {TOKENS}; TFLOP/s = 2 B H T^2 D / time causal, 4 B H T^2 D not "
+        "causal. prepare: prepare_fp8 (quantize_fp8, one Triton pass per tensor, Vᵀ written directly) against its "
+        "PyTorch path (quantize_blocks three times and a transposed, padded copy of V); identical: the same bytes "
+        "and scales, without and with a rotation of Q and K. 'FP8 kernel': fp8_forward on inputs already prepared; "
+        "'fp8_attention': quantize_fp8 and the kernel, from bf16. Error: max |o - reference| of fp8_attention over "
+        "batch 0, heads 0-1, against FP32.")
+    lines += ["| causal | T | B | prepare, PyTorch (ms) | prepare, Triton (ms) | speed-up | identical | "
+              + " | ".join(FP8_PREPARE_NAMES) + " | fp8_attention / hopper | fp8_attention / cuDNN | FP8 error |",
+              "|---" * (7 + len(FP8_PREPARE_NAMES) + 3) + "|"]
+    for r in result["fp8_prepare"]:
+        lines.append(f"| {'yes' if r['causal'] else 'no'} | {r['t']} | {r['batch']} | {r['prepare_torch_ms']:.2f} | "
+                     f"{r['prepare_ms']:.2f} | {r['prepare_torch_ms'] / r['prepare_ms']:.1f} | "
+                     f"{'yes' if r['identical'] and r['identical_rotated'] else 'no'} | "
+                     + " | ".join(f"{r[n]:.1f}" for n in FP8_PREPARE_NAMES)
+                     + f" | {r['fp8_attention'] / r['hopper_attention']:.2f} | {r['fp8_attention'] / r['SDPA cuDNN']:.2f}"
+                     f" | {r['fp8_attention error']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def profile_run(t: int) -> None:
     """Each causal D = 128 kernel once at T = t, B x T = TOKENS, between cudaProfilerStart and Stop.
 
@@ -1074,6 +1165,8 @@ def main(argv=None) -> int:
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
                         "same-bytes copy: B = 1, S = 1k to 32k; B = 8, S = 1k and 8k (--out, --json)")
+    parser.add_argument("--fp8-prepare", action="store_true", help="prepare_fp8 in one Triton pass against its "
+                        "PyTorch path, and fp8_attention end to end beside cuDNN and hopper_attention (--out, --json)")
     parser.add_argument("--last-gap-2-report", nargs=2, metavar=("RESULT", "TRIALS"), help="measure nothing: the "
                         "markdown of a --last-gap-2 JSON and a --trials JSON together (--out)")
     args = parser.parse_args(argv)
@@ -1082,7 +1175,7 @@ def main(argv=None) -> int:
         show_report(last_gap_2_report(result, trials), args.out)
         return 0
     if (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2 or args.hopper
-            or args.decode_fused or args.hopper_lse) and not torch.cuda.is_available():
+            or args.decode_fused or args.hopper_lse or args.fp8_prepare) and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
     if args.profile:
@@ -1101,6 +1194,8 @@ def main(argv=None) -> int:
         return 0
     if args.decode_fused:
         return _measure_main(args, "decode_fused", decode_fused, decode_fused_report)
+    if args.fp8_prepare:
+        return _measure_main(args, "fp8_prepare", fp8_prepare, fp8_prepare_report)
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)

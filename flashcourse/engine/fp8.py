@@ -43,7 +43,7 @@ def quantize_blocks(x, block):
     pad = -n % block
     blocks = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(batch, heads, -1, block, d)  # [B, H, NB, block, D]
     amax = blocks.abs().amax(dim=(3, 4))                                                          # [B, H, NB]
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scales = torch.where(amax > 0, amax * (1 / FP8_MAX), torch.ones_like(amax))   # torch's amax / 448 on a GPU
     x8 = (blocks / scales[..., None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(batch, heads, -1, d)[:, :, :n]
     return x8.contiguous(), scales.contiguous()
 
@@ -67,8 +67,80 @@ def fp8_block():
     return 16 if runtime.current().interpret else 128
 
 
+@triton.jit
+def _e4m3_bits(y):
+    """The byte of the e4m3 value nearest to y (FP32, |y| <= 448; ties to even): PyTorch's conversion in integers."""
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF                                               # |y|'s bits
+    # below 2^-6, e4m3's smallest normal: FP32 values near 2^14 are 2^-9 apart, e4m3's step there, so adding 2^14
+    # rounds |y| to a step, and the sum's low bits count its steps (0 to 8; 8 is 2^-6, the byte 0x08)
+    small = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    # from 2^-6 up: the exponent's bias from 127 to 7, and 23 mantissa bits rounded to 3, ties to even
+    normal = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    byte = tl.where(mag < (121 << 23), small, normal)
+    return (byte | ((bits >> 24) & 0x80)).to(tl.uint8)                   # the sign bit on top
+
+
+@triton.jit
+def quantize_fp8_kernel(
+    x_ptr,                                   # x [B, H, N, D], FP32, bf16 or fp16, columns contiguous
+    x8_ptr,                                  # out: e4m3 bytes (as uint8); element (n, d) at n·stride_on + d·stride_od
+    scale_ptr,                               # out: scales [B·H, n_blocks] FP32
+    stride_xb, stride_xh, stride_xn,         # x's strides over batch, head and row
+    stride_ob, stride_oh, stride_on, stride_od,  # out's strides over batch, head, row and column (Vᵀ: 1 and S16)
+    heads,                                   # H
+    N, n_out,                                # rows of x; rows written (N, or Vᵀ's S16: the rows past N as zeros)
+    n_blocks, block, D,                      # scales per (batch, head): ceil(N / block); rows per scale; head dim
+    ROWS: tl.constexpr,                      # block, rounded up to a power of two
+    COLS: tl.constexpr,                      # D, rounded up to a power of two
+    E4M3_MAX: tl.constexpr,                  # 448, e4m3's largest finite value
+):
+    """One block of `block` rows of one (batch, head): its scale, its largest |x| over 448 (1 for a block of zeros),
+    and x / scale clamped to ±448 and rounded to e4m3, in one read of the block and one write."""
+    n_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = n_block * block + tl.arange(0, ROWS)                          # [ROWS]
+    cols = tl.arange(0, COLS)                                            # [COLS]
+    in_block = (tl.arange(0, ROWS) < block)[:, None] & (cols < D)[None, :]  # [ROWS, COLS]
+    x = tl.load(x_ptr + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :],
+                mask=in_block & (rows < N)[:, None], other=0.0).to(tl.float32)  # read block·D elements
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tl.where(amax > 0, amax * (1.0 / E4M3_MAX), 1.0)
+    x8 = _e4m3_bits(tl.clamp(tl.math.div_rn(x, scale), -E4M3_MAX, E4M3_MAX))  # [ROWS, COLS] bytes
+    tl.store(x8_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od, x8,
+             mask=in_block & (rows < n_out)[:, None])                    # write block·D bytes
+    tl.store(scale_ptr + bh * n_blocks + n_block, scale, mask=n_block < n_blocks)
+
+
+def quantize_fp8(x, block, transpose=False):
+    """quantize_blocks(x, block) in one kernel: x [B, H, N, D] -> (x8 [B, H, N, D] e4m3, scales [B, H, ceil(N / block)]).
+
+    With transpose, x8 comes as [B, H, D, N16] instead, N padded to a multiple of 16 with zeros: Vᵀ for fp8_fwd_kernel.
+    """
+    batch, heads, n, d = x.shape
+    x = x if x.stride(3) == 1 else x.contiguous()
+    n_blocks = triton.cdiv(n, block)
+    scales = torch.empty(batch, heads, n_blocks, device=x.device, dtype=torch.float32)
+    if transpose:
+        n_out = triton.cdiv(n, 16) * 16
+        x8 = torch.empty(batch, heads, d, n_out, device=x.device, dtype=FP8)             # [B, H, D, N16]
+        out_strides = x8.stride(0), x8.stride(1), x8.stride(3), x8.stride(2)            # row n, column d at [d, n]
+    else:
+        n_out = n
+        x8 = torch.empty(batch, heads, n, d, device=x.device, dtype=FP8)                # [B, H, N, D]
+        out_strides = x8.stride()
+    rows, cols = triton.next_power_of_2(block), triton.next_power_of_2(d)
+    grid = (triton.cdiv(n_out, block), batch * heads)
+    quantize_fp8_kernel[grid](x, x8.view(torch.uint8), scales, x.stride(0), x.stride(1), x.stride(2), *out_strides,
+                              heads, n, n_out, n_blocks, block, d, ROWS=rows, COLS=cols, E4M3_MAX=FP8_MAX,
+                              num_warps=8 if rows * cols >= 8192 else 4)
+    return x8, scales
+
+
 def prepare_fp8(q, k, v, rotation=None, block=None):
-    """Quantize q [B, Hq, T, D], k and v [B, Hkv, S, D] to e4m3 with per-block scales.
+    """Quantize q [B, Hq, T, D], k and v [B, Hkv, S, D] to e4m3 with per-block scales (quantize_fp8, one pass each).
 
     With `rotation` (an orthogonal [D, D], see random_rotation), Q and K are rotated first: (QR)(KR)ᵀ = QKᵀ,
     so the scores do not change, but an outlier in one channel of Q or K is spread over all D channels,
@@ -77,12 +149,9 @@ def prepare_fp8(q, k, v, rotation=None, block=None):
     block = fp8_block() if block is None else block
     if rotation is not None:
         q, k = q.float() @ rotation, k.float() @ rotation                   # [B, H, N, D] @ [D, D]
-    q8, q_scale = quantize_blocks(q, block)
-    k8, k_scale = quantize_blocks(k, block)
-    v8, v_scale = quantize_blocks(v, block)
-    s = v.shape[2]
-    v_t = torch.zeros(*v.shape[:2], v.shape[3], triton.cdiv(s, 16) * 16, device=v.device, dtype=FP8)
-    v_t[..., :s] = v8.transpose(2, 3)                                       # fp8 products want V's keys contiguous
+    q8, q_scale = quantize_fp8(q, block)
+    k8, k_scale = quantize_fp8(k, block)
+    v_t, v_scale = quantize_fp8(v, block, transpose=True)                   # fp8 products want V's keys contiguous
     return Fp8Inputs(q8, q_scale, k8, k_scale, v_t, v_scale, block, rotation is not None)
 
 
