@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashcourse import runtime
+from flashcourse.checks import packed_paged as pp
 from flashcourse.engine.packed_paged import paged_decode, varlen_attention, varlen_attention_train
 
 RT = runtime.current()
@@ -22,8 +23,8 @@ FAR = 0.1  # what a wrong page or an unmasked slot does to o here (0.45 to 2.8 o
 
 
 def cumulative(lengths):
-    """int32 [B + 1] cumulative lengths from 0, on the runtime's device."""
-    return torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device=RT.device)
+    """int32 [B + 1] cumulative lengths from 0 (09's checks build them), on the runtime's device."""
+    return pp.cumulative(lengths).to(RT.device)
 
 
 def packed_inputs(lengths_q, lengths_k, q_heads, kv_heads, d, seed=0):
