@@ -44,7 +44,11 @@ def _attend_tile(
     USE_TMA: tl.constexpr,                   # K and V tiles come through tensor descriptors
     DOT_PRECISION: tl.constexpr,             # tl.dot's input_precision for FP32 inputs
 ):
-    """One step of the online softmax over the keys n0 .. n0 + BLOCK_N - 1 (FlashAttention-2, Alg. 1)."""
+    """One step of the online softmax over the keys n0 .. n0 + BLOCK_N - 1 (FlashAttention-2, Alg. 1).
+
+    Returns the new (acc, l, m), in that order: m in the units of the scores it computed (base 2 when USE_EXP2),
+    which the given lse forward relies on (lse = (m + log2 l) · ln 2).
+    """
     keys = n0 + tl.arange(0, BLOCK_N)                     # [BLOCK_N]
     key_ok = keys < S
     if USE_TMA:
