@@ -420,3 +420,100 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     for config, result in zip(configs, results):
         assert result["cubin"] > 0 and result["wgmma"] >= 4, (config, result)
         assert result["shared"] <= 227 * 1024, (config, result)
+
+
+SM90_COMPILE_BACKWARD = """
+import json, os, sys
+
+import torch
+import triton  # imported before the course's runtime turns the interpreter on, as in SM90_COMPILE
+from triton.experimental.gluon import language
+from triton.backends.compiler import GPUTarget
+
+from flashcourse.engine import hopper_backward as hb
+
+if hb.gluon is None:
+    print(json.dumps({"no gluon": triton.__version__}))
+    sys.exit(0)
+os.environ["TRITON_INTERPRET"] = "0"
+
+
+class Sm90Driver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+triton.runtime.driver.set_active(Sm90Driver())
+results = []
+for kernel, d, causal, atomic in json.loads(sys.argv[1]):
+    x = torch.empty(1, 2, 512, d, dtype=torch.bfloat16)
+    f = torch.empty(1, 2, 512)
+    scalars = (512, 512, 2, 1, 0, 0.1, 0.1)
+    if kernel == "dkdv":
+        ds_layout = hb.gl.NVMMASharedLayout.get_default_for([hb.BWD_HALF_N, hb.BWD_BLOCK_M], hb.gl.bfloat16)
+        compiled = hb.hopper_dkdv_kernel.warmup(
+            hb._descriptor(x, hb.BWD_BLOCK_M), hb._descriptor(x, hb.BWD_BLOCK_M), hb._descriptor(x, hb.BWD_HALF_N),
+            hb._descriptor(x, hb.BWD_HALF_N), f, f, x.float(), x, x, *scalars, ds_layout, D=d, BLOCK_M=hb.BWD_BLOCK_M,
+            HALF_N=hb.BWD_HALF_N, STAGES=hb.BWD_STAGES, CAUSAL=causal, ATOMIC_DQ=atomic, num_warps=4, grid=(1,))
+    else:
+        compiled = hb.hopper_dq_kernel.warmup(
+            hb._descriptor(x, 64), hb._descriptor(x, 64), hb._descriptor(x, hb.DQ_BLOCK_N),
+            hb._descriptor(x, hb.DQ_BLOCK_N), f, f, x, *scalars, D=d, BLOCK_N=hb.DQ_BLOCK_N, STAGES=hb.DQ_STAGES,
+            CAUSAL=causal, num_warps=4, grid=(1,))
+    ptx = compiled.asm["ptx"]
+    results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
+                    "atomics": ptx.count("red.global") + ptx.count("atom.global"), "shared": compiled.metadata.shared})
+print(json.dumps(results))
+"""
+
+
+def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """Step 8's dK/dV and dQ kernels compile to sm_90 binaries with this machine's Triton and no GPU, as
+    hopper_fwd_kernel does above: each holds wgmma and fits in shared memory, and only ATOMIC_DQ adds atomics."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    configs = [("dkdv", 128, True, False), ("dkdv", 64, False, True), ("dq", 128, True, False), ("dq", 64, False, False)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE_BACKWARD, json.dumps(configs)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    if isinstance(results, dict):
+        pytest.skip(f"Triton {results['no gluon']} has no Gluon layer: hopper_backward falls back, as tested below")
+    for (kernel, d, causal, atomic), result in zip(configs, results):
+        assert result["cubin"] > 0 and result["wgmma"] >= 4, (kernel, d, result)
+        assert result["shared"] <= 227 * 1024, (kernel, d, result)
+        assert (result["atomics"] > 0) == atomic, (kernel, d, atomic, result)
+
+
+def test_hopper_attention_train_runs_06s_kernels_where_gluon_cannot():
+    """Off a Hopper GPU hopper_attention_train is 06's flash_attention_train, gradients bit for bit (GQA 2, T = 20
+    after S = 28 keys, D = 16), and hopper_backward(fallback=False) says why the Gluon kernels refused."""
+    from flashcourse.engine.backward import flash_attention_lse, flash_attention_train
+    from flashcourse.engine.hopper_backward import hopper_attention_train, hopper_backward
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 20, 16, device=RT.device, dtype=RT.dtype)
+    k, v = (torch.randn(1, 2, 28, 16, device=RT.device, dtype=RT.dtype) for _ in range(2))
+    do = torch.randn_like(q)
+    grads = []
+    for train in (hopper_attention_train, flash_attention_train):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        train(*leaves).backward(do)
+        grads.append([x.grad for x in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    o, lse = flash_attention_lse(q, k, v)
+    with pytest.raises((ValueError, RuntimeError), match="hopper"):
+        hopper_backward(q, k, v, o, lse, do, fallback=False)

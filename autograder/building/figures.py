@@ -44,6 +44,8 @@ FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given 
 TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GPT from three seeds, three attentions
 BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the backward kernels against SDPA (bench_backward)
 FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08: one-pass quantize, FP8 end to end
+HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
+TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -262,6 +264,15 @@ def _trial(data, key: str, t: int, name: str) -> float:
     return next(r[name] for r in data[key] if r["t"] == t)
 
 
+def _backward_ratios(data, column: str, over: str, kind: str = "bwd") -> list[float]:
+    """column over `over`, every row of the Gluon backward's benchmark: the backward alone or fwd+bwd."""
+    return [r[f"{column} {kind}"] / r[f"{over} {kind}"] for r in data["rows"]]
+
+
+def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int = 32) -> dict:
+    return next(r for r in data["rows"] if (r["t"], r["causal"], r["d"], r["kv_heads"]) == (t, causal, d, kv_heads))
+
+
 def _ring(report: Report, t: int, what: str, column: str) -> float:
     """A cell of 07's two-GPU table, as a number: the row of `what` at T = t."""
     return float(next(r[column] for r in report.tables[0] if int(r["T"]) == t and r["what"] == what))
@@ -276,6 +287,29 @@ _BF16_D128 = dict(dtype="bf16", d=128, q_heads=32, kv_heads=32)
 _T8K_CAUSAL = dict(_BF16_D128, causal=True, t=8192)
 
 FIGURES: dict[str, Figure] = {
+    # 08, step 8: the backward pass in Gluon
+    "hbwd.of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
+    "hbwd.of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
+    "hbwd.over_06_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon", "06 Triton")), 2),
+    "hbwd.over_06_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon", "06 Triton")), 2),
+    "hbwd.06_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "06 Triton", "SDPA cuDNN")), 2),
+    "hbwd.06_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "06 Triton", "SDPA cuDNN")), 2),
+    "hbwd.atomic_of_gluon_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon, atomic dQ", "Gluon")), 2),
+    "hbwd.atomic_of_gluon_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon, atomic dQ", "Gluon")), 2),
+    "hbwd.train_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(
+        d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
+    "hbwd.train_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(
+        d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
+    "hbwd.causal_16k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 16384)["Gluon bwd"]),
+    "hbwd.cudnn_causal_16k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 16384)["SDPA cuDNN bwd"]),
+    "hbwd.06_causal_16k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 16384)["06 Triton bwd"]),
+    "hbwd.gqa_of_cudnn": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 8192, kv_heads=8)["Gluon bwd"]
+                                / _backward_row(d, 8192, kv_heads=8)["SDPA cuDNN bwd"], 2),
+    "hbwd.error_max_e3": Figure(HOPPER_BACKWARD, lambda d: 1e3 * max(r["Gluon error"] for r in d["rows"]), 0),
+    "hbwd.gpt.course_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
+    "hbwd.gpt.torch_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
+    "hbwd.gpt.sdpa_range": Figure(TRAINING_HOPPER, lambda d: d["sdpa_seed_range"], 2),
+    "hbwd.gpt.from_step": Figure(TRAINING_HOPPER, lambda d: d["from_step"]),
     # 05, the steps at bf16, causal, D = 128, T = 8192
     "fast.steps.base_04": Figure(FAST, lambda d: _step(d, "04 flash_attention")),
     "fast.steps.base_fast": Figure(FAST, lambda d: _step(d, "fast kernel, exp")),

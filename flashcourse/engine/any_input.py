@@ -8,7 +8,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from flashcourse.engine.backward import flash_attention_train  # 06
 from flashcourse.engine.decode import fast_decode              # 05
 from flashcourse.engine.fast_attention import fast_attention    # 05
 from flashcourse.engine.fast_lse import fast_attention_lse      # 05
@@ -66,12 +65,15 @@ def attention_lse(q, k, v, causal=True, query_offset=None, window=None):
 
 
 def attention_train(q, k, v, causal=True, query_offset=None, window=None):
-    """06's flash_attention_train (autograd differentiates it) for any D and Dv: o [B, Hq, T, Dv]. No window."""
+    """Attention that autograd differentiates, for any D and Dv: o [B, Hq, T, Dv]. Step 8's
+    hopper_attention_train, whose Gluon kernels run where they apply and 06's kernels elsewhere. No window."""
     if window is not None:
         raise ValueError("attention_train takes no window: 06's backward kernels have none (attention and "
                          "attention_lse take one, for inference)")
     q, k, v, dv = widened(q, k, v)
-    return flash_attention_train(q, k, v, query_offset=query_offset, causal=causal)[..., :dv]
+    from flashcourse.engine.hopper_backward import hopper_attention_train  # step 8, which imports step 5
+
+    return hopper_attention_train(q, k, v, causal=causal, query_offset=query_offset)[..., :dv]
 
 
 def decode(q, k, v):
