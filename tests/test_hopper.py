@@ -350,22 +350,7 @@ def test_hopper_plot_draws_the_saved_grid(tmp_path):
     assert (tmp_path / "hopper.png").stat().st_size > 10_000
 
 
-SM90_COMPILE = """
-import json, os, sys
-
-import torch
-import triton  # imported before the course's runtime turns the interpreter on (there is no GPU here), so that
-from triton.experimental.gluon import language  # Gluon's own standard functions are compiled ones
-from triton.backends.compiler import GPUTarget
-
-from flashcourse.engine import hopper as fk
-
-if fk.gluon is None:
-    print(json.dumps({"no gluon": triton.__version__}))
-    sys.exit(0)
-os.environ["TRITON_INTERPRET"] = "0"
-
-
+SM90_DRIVER = """
 class Sm90Driver:  # stands in for the GPU driver: the target it names is an H100/H200's
     def get_current_target(self):
         return GPUTarget("cuda", 90, 32)
@@ -381,7 +366,24 @@ class Sm90Driver:  # stands in for the GPU driver: the target it names is an H10
 
 
 triton.runtime.driver.set_active(Sm90Driver())
-gl, results = fk.gl, []
+"""
+
+SM90_COMPILE = """
+import json, os, sys
+
+import torch
+import triton  # imported before the course's runtime turns the interpreter on (there is no GPU here), so that
+from triton.experimental.gluon import language  # Gluon's own standard functions are compiled ones
+from triton.backends.compiler import GPUTarget
+
+from flashcourse.engine import hopper as fk
+
+if fk.gluon is None:
+    print(json.dumps({"no gluon": triton.__version__}))
+    sys.exit(0)
+os.environ["TRITON_INTERPRET"] = "0"
+
+""" + SM90_DRIVER + """gl, results = fk.gl, []
 for d, causal, pingpong, persistent, store_lse in json.loads(sys.argv[1]):
     q = torch.empty(512, d, dtype=torch.bfloat16)
     k = torch.empty(256, d, dtype=torch.bfloat16)
@@ -437,23 +439,7 @@ if hb.gluon is None:
     sys.exit(0)
 os.environ["TRITON_INTERPRET"] = "0"
 
-
-class Sm90Driver:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-triton.runtime.driver.set_active(Sm90Driver())
-results = []
+""" + SM90_DRIVER + """results = []
 for kernel, d, causal, atomic in json.loads(sys.argv[1]):
     x = torch.empty(1, 2, 512, d, dtype=torch.bfloat16)
     f = torch.empty(1, 2, 512)
