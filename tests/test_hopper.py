@@ -503,3 +503,23 @@ def test_hopper_attention_train_runs_06s_kernels_where_gluon_cannot():
     o, lse = flash_attention_lse(q, k, v)
     with pytest.raises((ValueError, RuntimeError), match="hopper"):
         hopper_backward(q, k, v, o, lse, do, fallback=False)
+
+
+def test_hopper_backward_report_and_plot_from_the_saved_run(tmp_path):
+    """The Gluon backward's saved H200 run: a table row per measured shape with its ratio to cuDNN (the committed
+    numbers), and a plot with one group of bars per implementation, written as a PNG."""
+    import json
+
+    from flashcourse import bench
+    from flashcourse.bench.hopper_backward import BACKWARD, ROWS, plot, report
+
+    result = json.loads(bench.measured("hopper_backward.json").read_text())
+    assert [(r["causal"], r["d"], r["t"], r["kv_heads"]) for r in result["rows"]] == ROWS
+    text = report(result)
+    first = result["rows"][0]
+    assert f"| {first['Gluon bwd'] / first['SDPA cuDNN bwd']:.2f} |" in text
+    assert text.count("| causal D128 T8k 32/32 |") == 2          # the backward table and the training table
+    figure = plot(result, str(tmp_path / "backward.png"))
+    assert len(figure.axes[0].containers) == len(BACKWARD)
+    assert all(len(bars) == len(ROWS) for bars in figure.axes[0].containers)
+    assert (tmp_path / "backward.png").stat().st_size > 10_000
