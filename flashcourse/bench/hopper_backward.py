@@ -17,6 +17,7 @@ import math
 import torch
 
 from flashcourse.bench import environment
+from flashcourse.bench.fast import _ms, _sdpa   # do_bench in milliseconds; SDPA held to one backend
 from flashcourse.bench.reports import report_main, report_opening, report_parser, save_json
 
 TOKENS = 32 * 1024          # B * T held fixed
@@ -26,22 +27,6 @@ ROWS = [  # (causal, D, T, Hkv): 06's benchmark rows that the backward's goal na
     (False, 128, 8192, 32), (True, 64, 8192, 32), (True, 128, 8192, 8)]
 BACKWARD = ["06 Triton", "Gluon", "Gluon, atomic dQ", "SDPA cuDNN", "SDPA flash"]
 TRAINING = ["flash_attention_train (06)", "hopper_attention_train", "SDPA cuDNN", "SDPA flash"]
-
-
-def _ms(fn) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50))
-
-
-def _sdpa(backend, causal: bool):
-    from torch.nn.attention import sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention
-
-    def run(q, k, v):
-        with sdpa_kernel(backend):
-            return scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
-    return run
 
 
 def _error(grads, q, k, v, do, causal: bool) -> float:
@@ -82,8 +67,8 @@ def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
     row["Gluon, atomic dQ error"] = _error(kernels["Gluon, atomic dQ"](), q, k, v, do, causal)
     trains = {"flash_attention_train (06)": lambda q, k, v: step06.flash_attention_train(q, k, v, causal=causal),
               "hopper_attention_train": lambda q, k, v: hopper_attention_train(q, k, v, causal=causal),
-              "SDPA cuDNN": _sdpa(SDPBackend.CUDNN_ATTENTION, causal),
-              "SDPA flash": _sdpa(SDPBackend.FLASH_ATTENTION, causal)}
+              "SDPA cuDNN": _sdpa(SDPBackend.CUDNN_ATTENTION, causal, kv_heads != Q_HEADS),
+              "SDPA flash": _sdpa(SDPBackend.FLASH_ATTENTION, causal, kv_heads != Q_HEADS)}
     for name, fn in trains.items():
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         if name.startswith("SDPA"):
