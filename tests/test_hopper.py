@@ -445,16 +445,16 @@ for kernel, d, causal, atomic in json.loads(sys.argv[1]):
     f = torch.empty(1, 2, 512)
     scalars = (512, 512, 2, 1, 0, 0.1, 0.1)
     if kernel == "dkdv":
-        ds_layout = hb.gl.NVMMASharedLayout.get_default_for([hb.BWD_HALF_N, hb.BWD_BLOCK_M], hb.gl.bfloat16)
+        ds_layout = hb._shared_layout([hb.BWD_HALF_N, hb.BWD_BLOCK_M], torch.bfloat16)
         compiled = hb.hopper_dkdv_kernel.warmup(
             hb._descriptor(x, hb.BWD_BLOCK_M), hb._descriptor(x, hb.BWD_BLOCK_M), hb._descriptor(x, hb.BWD_HALF_N),
             hb._descriptor(x, hb.BWD_HALF_N), f, f, x.float(), x, x, *scalars, ds_layout, D=d, BLOCK_M=hb.BWD_BLOCK_M,
             HALF_N=hb.BWD_HALF_N, STAGES=hb.BWD_STAGES, CAUSAL=causal, ATOMIC_DQ=atomic, num_warps=4, grid=(1,))
     else:
         compiled = hb.hopper_dq_kernel.warmup(
-            hb._descriptor(x, 64), hb._descriptor(x, 64), hb._descriptor(x, hb.DQ_BLOCK_N),
-            hb._descriptor(x, hb.DQ_BLOCK_N), f, f, x, *scalars, D=d, BLOCK_N=hb.DQ_BLOCK_N, STAGES=hb.DQ_STAGES,
-            CAUSAL=causal, num_warps=4, grid=(1,))
+            hb._descriptor(x, hb.DQ_HALF_M), hb._descriptor(x, hb.DQ_HALF_M), hb._descriptor(x, hb.DQ_BLOCK_N),
+            hb._descriptor(x, hb.DQ_BLOCK_N), f, f, x, *scalars, D=d, HALF_M=hb.DQ_HALF_M, BLOCK_N=hb.DQ_BLOCK_N,
+            STAGES=hb.DQ_STAGES, CAUSAL=causal, num_warps=4, grid=(1,))
     ptx = compiled.asm["ptx"]
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
                     "atomics": ptx.count("red.global") + ptx.count("atom.global"), "shared": compiled.metadata.shared})

@@ -22,11 +22,14 @@ if gluon is not None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                  warpgroup_mma_wait)
     gl, tma_load, GluonDescriptor = step5.gl, step5.tma_load, step5.GluonDescriptor
+    LOG2E_GL = gl.constexpr(LOG2E)   # log2(e) as a constant the kernels can read
+    warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier   # thread_barrier in 3.6
 
 BWD_BLOCK_M = 64      # query rows per tile of the dK/dV kernel's loop
 BWD_HALF_N = 64       # keys per consumer warpgroup: a dK/dV program owns 2 x 64 keys
 BWD_STAGES = 2        # Q and dO tiles in flight
-DQ_BLOCK_N = 128      # keys per K/V tile of the dQ kernel (its programs own 2 x 64 query rows)
+DQ_HALF_M = 64        # query rows per consumer warpgroup of the dQ kernel: a program owns 2 x 64 rows
+DQ_BLOCK_N = 128      # keys per K/V tile of the dQ kernel
 DQ_STAGES = 2         # K and V tiles in flight
 
 
@@ -58,7 +61,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
-    def _dkdv_consume(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty,
+    def _dkdv_consume(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
                       lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                       T, query_offset, kv_row, n0, bh0, m_start, n_m, group, qk_scale, sm_scale,
                       HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
@@ -70,17 +73,21 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                                                               instr_shape=[16, D, 16])       # [64, D]
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, D // 2, 16])   # [BLOCK_M, D/2]
+        # Four consecutive FP32 per thread: one vector atomic (atom.add.v4.f32) adds 16 bytes
+        add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (D // 8), D // 8], [4, 1], [1, 0])
         dtype: gl.constexpr = q_smem.dtype
         k_half = k_smem.index(HALF)                                          # [HALF_N, D]
         v_half = v_smem.index(HALF)
-        ds_half = ds_smem.index(HALF)                                        # [HALF_N, BLOCK_M] (ATOMIC_DQ)
         first_key = n0 + HALF * HALF_N
         keys = first_key + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
         st_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, st_layout)
-        dq_zero = gl.zeros([BLOCK_M, D], gl.float32, acc_layout)
+        dq_zero = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
         dk = gl.zeros([HALF_N, D], gl.float32, acc_layout)
         dv = gl.zeros([HALF_N, D], gl.float32, acc_layout)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        dq_cols = HALF * (D // 2) + gl.arange(0, D // 2, layout=gl.SliceLayout(0, add_layout))
         mbarrier.wait(kv_bar, 0)
         t = 0
         for g in range(group):
@@ -93,7 +100,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 st = warpgroup_mma(k_half, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
                 dpt = warpgroup_mma(v_half, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
                 rows = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_layout)
-                lse2 = gl.load(lse_ptr + bh * T + rows) * 1.4426950408889634  # natural log to log2 units
+                lse2 = gl.load(lse_ptr + bh * T + rows) * LOG2E_GL            # natural log to log2 units
                 delta = gl.load(delta_ptr + bh * T + rows)
                 st = warpgroup_mma_wait(1, deps=[st, k_half, q_s])[0]         # S^T done, dP^T may still run
                 pt = gl.exp2(st * qk_scale - lse2[None, :])                   # P^T [HALF_N, BLOCK_M]
@@ -104,15 +111,26 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 dst = (pt * (dpt - delta[None, :])).to(dtype)                 # dS^T [HALF_N, BLOCK_M]
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
                 dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q_s, dk, is_async=True)
-                if ATOMIC_DQ:  # dQ's share of these keys: dS K, dS read back transposed from shared memory
-                    ds_half.store(dst)
+                if ATOMIC_DQ:  # dQ = dS K over both halves' keys: this warpgroup takes half of D's columns
+                    buf = t % 2                                               # dS^T double-buffered
+                    mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)     # read two tiles ago, by both
+                    ds_smem.index(2 * buf + HALF).store(dst)
                     fence_async_shared()
-                    dq = warpgroup_mma(ds_half.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
-                    done = warpgroup_mma_wait(0, deps=[dv, dk, dq, q_s, do_s, ds_half])
+                    warpgroup_barrier()                                       # the whole tile stored
+                    mbarrier.arrive(ds_ready.index(buf), count=1)
+                    mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)          # and the other half's
+                    dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)),
+                                       k_smem.index(0).slice(HALF * (D // 2), D // 2, dim=1), dq_zero,
+                                       use_acc=False, is_async=True)
+                    dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)),
+                                       k_smem.index(1).slice(HALF * (D // 2), D // 2, dim=1), dq, is_async=True)
+                    done = warpgroup_mma_wait(0, deps=[dv, dk, dq, q_s, do_s, ds_smem, k_smem])
                     dv, dk, dq = done[0], done[1], done[2]
+                    mbarrier.arrive(ds_free.index(buf), count=1)
                     mbarrier.arrive(empty.index(slot), count=1)
-                    q_rows = bh * T + mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-                    gl.atomic_add(dq_ptr + q_rows[:, None] * D + cols[None, :], dq * sm_scale, sem="relaxed")
+                    q_rows = bh * T + mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
+                    gl.atomic_add(dq_ptr + q_rows[:, None] * D + dq_cols[None, :],
+                                  gl.convert_layout(dq * sm_scale, add_layout), sem="relaxed")
                 else:
                     done = warpgroup_mma_wait(0, deps=[dv, dk, q_s, do_s])
                     dv, dk = done[0], done[1]
@@ -134,7 +152,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         T, S, Hq, Hkv,                       # queries, keys, query heads, KV heads
         query_offset,                        # absolute position of query 0
         qk_scale, sm_scale,                  # log2(e)/sqrt(D) and 1/sqrt(D)
-        ds_layout: gl.constexpr,             # shared layout of a [HALF_N, BLOCK_M] tile of dS^T
+        ds_layout: gl.constexpr,             # shared layout of a [HALF_N, BLOCK_M] tile of dS^T (ATOMIC_DQ)
         D: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
     ):
@@ -154,7 +172,9 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], v_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, BLOCK_M], ds_layout)   # read if ATOMIC_DQ
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)   # 2 x both halves' dS^T
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -162,13 +182,18 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)             # both consumers release a slot
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)          # both halves of dS^T stored
+            mbarrier.init(ds_free.index(i), count=2)           # both consumers' dQ products done with them
         fence_async_shared()
 
         gl.warp_specialize([
-            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, lse_ptr, delta_ptr,
+            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
+                             lse_ptr, delta_ptr,
                              dq_ptr, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
                              qk_scale, sm_scale, 0, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
-            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, lse_ptr, delta_ptr,
+            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
+                             lse_ptr, delta_ptr,
                              dq_ptr, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
                              qk_scale, sm_scale, 1, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
             (_dkdv_load, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, full, empty,
@@ -216,7 +241,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         q_half = q_smem.index(HALF)                                          # [HALF_M, D]
         do_half = do_smem.index(HALF)
         rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-        lse2 = gl.load(lse_ptr + bh * T + rows) * 1.4426950408889634         # natural log to log2 units
+        lse2 = gl.load(lse_ptr + bh * T + rows) * LOG2E_GL                     # natural log to log2 units
         delta = gl.load(delta_ptr + bh * T + rows)
         first_position = row0 + HALF * HALF_M + query_offset
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
@@ -250,17 +275,16 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
     @gluon.jit
     def hopper_dq_kernel(
-        q_desc, do_desc,                     # TMA descriptors: q and do [B*Hq*T, D] by 64 rows
+        q_desc, do_desc,                     # TMA descriptors: q and do [B*Hq*T, D] by HALF_M rows
         k_desc, v_desc,                      # k and v [B*Hkv*S, D] by BLOCK_N rows
         lse_ptr, delta_ptr,                  # [B, Hq, T] FP32: the forward's lse (natural log) and rowsum(dO o O)
         dq_ptr,                              # dq [B, Hq, T, D], like q
         T, S, Hq, Hkv,                       # queries, keys, query heads, KV heads
         query_offset,                        # absolute position of query 0
         qk_scale, sm_scale,                  # log2(e)/sqrt(D) and 1/sqrt(D)
-        D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        D: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ):
-        # Program (128-row query block, batch x query head); T % 128 == 0 and S % BLOCK_N == 0.
-        HALF_M: gl.constexpr = 64
+        # Program (2 HALF_M query rows, batch x query head); T % (2 HALF_M) == 0 and S % BLOCK_N == 0.
         dtype: gl.constexpr = q_desc.dtype
         n_m = T // (2 * HALF_M)
         row0 = (n_m - 1 - gl.program_id(0)) * 2 * HALF_M          # under a causal mask the longest rows first
@@ -309,10 +333,14 @@ def _backward_refusal(q, k, causal, query_offset):
     return refusal
 
 
+def _shared_layout(shape, dtype):
+    """The shared-memory layout wgmma reads for a tile of `shape` in bf16 or fp16 (a torch dtype)."""
+    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptor(x, rows):
     """A TMA descriptor over x [..., N, D] seen as [rows of every (batch, head), D], in blocks of `rows` rows."""
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, x.shape[-1]], dtype)
+    layout = _shared_layout([rows, x.shape[-1]], x.dtype)
     return GluonDescriptor.from_tensor(x.view(-1, x.shape[-1]), [rows, x.shape[-1]], layout)
 
 
@@ -336,8 +364,7 @@ def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_
     scales = (LOG2E / math.sqrt(D), 1.0 / math.sqrt(D))
     dk, dv = torch.empty_like(k), torch.empty_like(v)                    # [B, Hkv, S, D]
     dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dk   # [B, Hq, T, D]
-    ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_HALF_N, BWD_BLOCK_M],
-                                                     gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16)
+    ds_layout = _shared_layout([BWD_HALF_N, BWD_BLOCK_M], q.dtype)
     hopper_dkdv_kernel[(triton.cdiv(S, 2 * BWD_HALF_N), B * Hkv)](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_HALF_N),
         _descriptor(v, BWD_HALF_N), lse, delta, dq32, dk, dv, T, S, Hq, Hkv, query_offset, *scales, ds_layout,
@@ -346,10 +373,10 @@ def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_
     if atomic_dq:
         return dq32.to(q.dtype), dk, dv
     dq = torch.empty_like(q)                                             # [B, Hq, T, D]
-    hopper_dq_kernel[(triton.cdiv(T, 128), B * Hq)](
-        _descriptor(q, 64), _descriptor(do, 64), _descriptor(k, DQ_BLOCK_N), _descriptor(v, DQ_BLOCK_N),
-        lse, delta, dq, T, S, Hq, Hkv, query_offset, *scales, D=D, BLOCK_N=DQ_BLOCK_N, STAGES=DQ_STAGES,
-        CAUSAL=causal, num_warps=4)
+    hopper_dq_kernel[(triton.cdiv(T, 2 * DQ_HALF_M), B * Hq)](
+        _descriptor(q, DQ_HALF_M), _descriptor(do, DQ_HALF_M), _descriptor(k, DQ_BLOCK_N),
+        _descriptor(v, DQ_BLOCK_N), lse, delta, dq, T, S, Hq, Hkv, query_offset, *scales, D=D, HALF_M=DQ_HALF_M,
+        BLOCK_N=DQ_BLOCK_N, STAGES=DQ_STAGES, CAUSAL=causal, num_warps=4)
     return dq, dk, dv
 
 
