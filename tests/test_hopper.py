@@ -290,14 +290,14 @@ def test_hopper_attention_falls_back_to_fast_attention():
     from flashcourse.engine.hopper import hopper_attention
 
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen).to(RT.device) for _ in range(3))
     assert torch.equal(hopper_attention(q, k, v), fast_attention(q, k, v))
     assert torch.equal(hopper_attention(q, k, v, causal=False, query_offset=3),
                        fast_attention(q, k, v, causal=False, query_offset=3))
     before = hopper_attention(q, k[:, :, :20], v[:, :, :20])          # T = 40 > S = 20: queries 0-19 see no key
     assert torch.equal(before[:, :, :20], torch.zeros_like(before[:, :, :20]))
     assert torch.equal(before[:, :, 20:], fast_attention(q[:, :, 20:], k[:, :, :20], v[:, :, :20], query_offset=0))
-    wide = torch.randn(1, 2, 40, 40, generator=gen)
+    wide = torch.randn(1, 2, 40, 40, generator=gen).to(RT.device)
     assert torch.equal(hopper_attention(wide, wide, wide), attention(wide, wide, wide))
 
 
