@@ -71,6 +71,9 @@ def _hopper_with_gluon() -> bool:
     (1, 8, 8, 384, 1000, 64, True),        # queries at the end of a longer cache; S not a multiple of a tile
     (2, 4, 2, 256, 777, 128, False),       # not causal, the last tile runs into the next head's keys
     (3, 40, 8, 1280, 1280, 128, True),     # 1200 items: more than one wave
+    (1, 4, 2, 200, 200, 128, True),        # T not a multiple of 128: the last tile reads the next head's queries
+    (2, 4, 4, 1, 333, 64, False),          # one query, as in decoding
+    (1, 8, 2, 1000, 1100, 64, True),       # neither T nor S a multiple of 128, queries after 100 keys
 ])
 def test_hopper_attention(persistent, pingpong, dtype, batch, q_heads, kv_heads, t, s, d, causal):
     """hopper_attention under each schedule against an FP64 reference, within 2e-2."""
@@ -85,20 +88,20 @@ def test_hopper_attention(persistent, pingpong, dtype, batch, q_heads, kv_heads,
 
 
 @pytest.mark.parametrize("t, s, d, dtype, causal", [
-    (200, 200, 128, torch.bfloat16, True),    # T not a multiple of 128
+    (200, 200, 96, torch.bfloat16, True),     # D = 96
     (256, 256, 32, torch.float16, False),     # D = 32
     (128, 300, 64, torch.float32, True),      # fp32
 ])
 def test_hopper_attention_falls_back_where_its_schedule_does_not_apply(t, s, d, dtype, causal):
-    """Inputs the Gluon schedule does not take are computed by fast_attention, with the same answer; with
-    fallback=False they raise, naming fast_attention."""
+    """Inputs the Gluon schedule does not take are computed by step 7's `attention` (fast_attention, or this
+    schedule on D padded to 128), with the same answer; with fallback=False they raise, naming fast_attention."""
     from flashcourse.bench.fast import _inputs
     from flashcourse.checks import reference
-    from flashcourse.engine.fast_attention import fast_attention
+    from flashcourse.engine.any_input import attention
 
     q, k, v = _inputs(1, 4, 2, t, s, d, dtype)
     got = hopper_attention(q, k, v, causal=causal)
-    assert torch.equal(got, fast_attention(q, k, v, causal=causal))
+    assert torch.equal(got, attention(q, k, v, causal=causal))
     want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
     assert (got.cpu().double() - want).abs().max() < 2e-2
     with pytest.raises(ValueError, match="use fast_attention"):

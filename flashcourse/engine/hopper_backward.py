@@ -325,11 +325,12 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
 def _backward_refusal(q, k, causal, query_offset):
-    """Why these kernels cannot run the inputs (an exception to raise), or None: step 5's conditions and S a
-    multiple of 128."""
+    """Why these kernels cannot run the inputs (an exception to raise), or None: step 5's conditions, and T and
+    S multiples of 128 (the kernels' tiles are not masked at the edges)."""
     refusal = step5._hopper_refusal(q, k, causal, query_offset)
-    if refusal is None and k.shape[2] % (2 * BWD_HALF_N):
-        refusal = ValueError(f"hopper_backward takes S a multiple of {2 * BWD_HALF_N}, got S = {k.shape[2]}")
+    T, S = q.shape[2], k.shape[2]
+    if refusal is None and (T % (2 * DQ_HALF_M) or S % (2 * BWD_HALF_N)):
+        refusal = ValueError(f"hopper_backward takes T and S multiples of 128, got T = {T}, S = {S}")
     return refusal
 
 
@@ -385,7 +386,7 @@ class HopperAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=True, query_offset=None):
-        if step5._hopper_refusal(q, k, causal, query_offset) is None:
+        if step5._hopper_refusal(q, k, causal, query_offset, lse=True) is None:
             o, lse = step5.hopper_attention_lse(q, k, v, causal=causal, query_offset=query_offset, fallback=False)
         else:
             o, lse = flash_attention_lse(q, k, v, query_offset, causal)
