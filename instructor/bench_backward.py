@@ -25,6 +25,7 @@ import math
 import torch
 
 from flashcourse.bench import environment
+from flashcourse.bench.gradients import gradient_error, gradients, naive_attention
 from flashcourse.bench.reports import label_panel, report_main, report_opening, report_parser, save_json
 
 TOKENS = 4 * 8192               # B * T held fixed
@@ -73,18 +74,6 @@ def _inputs(batch, q_heads, kv_heads, t, s, d, dtype, seed=0):
     return q, k, v, do
 
 
-def naive_attention(q, k, v, causal: bool = True):
-    """softmax(q k^T / sqrt(D)) v with the [B, Hq, T, S] scores in memory (K and V repeated for GQA)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)        # [B, Hq, S, D]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])                   # [B, Hq, T, S]
-    if causal:
-        t, s = scores.shape[-2:]
-        hidden = torch.ones(t, s, dtype=torch.bool, device=q.device).triu(s - t + 1)
-        scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.softmax(scores, -1) @ v                                        # [B, Hq, T, D]
-
-
 def sdpa(backend, causal: bool):
     """SDPA restricted to one backend (GQA through enable_gqa)."""
     from torch.nn.attention import sdpa_kernel
@@ -94,22 +83,6 @@ def sdpa(backend, causal: bool):
         with sdpa_kernel(backend):
             return scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return run
-
-
-def gradients(attention, q, k, v, do):
-    """(dq, dk, dv) of attention(q, k, v) for the output gradient do."""
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
-
-
-def gradient_error(got, q, k, v, do, causal: bool) -> float:
-    """max |error| of (dq, dk, dv) against FP32 autograd, over batch 0 and KV head 0 (with its query heads)."""
-    group = q.shape[1] // k.shape[1]
-    part = lambda x, heads: x[:1, :heads].float()  # noqa: E731
-    want = gradients(functools.partial(naive_attention, causal=causal),
-                     part(q, group), part(k, 1), part(v, 1), part(do, group))
-    mine = (got[0][:1, :group], got[1][:1, :1], got[2][:1, :1])
-    return max(float((a.float() - b).abs().max()) for a, b in zip(mine, want))
 
 
 def speed(grid=SPEED, lengths=LENGTHS, rows=None, done=lambda: None) -> list[dict]:

@@ -527,3 +527,19 @@ def test_hopper_backward_report_and_plot_from_the_saved_run(tmp_path):
     assert len(figure.axes[0].containers) == len(BACKWARD)
     assert all(len(bars) == len(ROWS) for bars in figure.axes[0].containers)
     assert (tmp_path / "backward.png").stat().st_size > 10_000
+
+
+def test_gradient_error_sees_each_gradient():
+    """The backward benchmarks' error: zero for the naive attention's own FP32 gradients (GQA 2, causal, T = 6
+    after S = 9 keys), and the size of a change made to any one of dq, dk and dv in the heads it compares."""
+    from flashcourse.bench.gradients import gradient_error, gradients, naive_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(1, 4, 6, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, 9, 8, generator=gen) for _ in range(2))
+    exact = gradients(lambda q, k, v: naive_attention(q, k, v, True), q, k, v, do)
+    assert gradient_error(exact, q, k, v, do, True) < 1e-6
+    for i in range(3):
+        changed = [g.clone() for g in exact]
+        changed[i][0, 0, 2, 3] += 0.25
+        assert abs(gradient_error(changed, q, k, v, do, True) - 0.25) < 1e-5

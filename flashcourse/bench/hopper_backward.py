@@ -12,12 +12,11 @@ backward 2.5 times that. Times by triton.testing.do_bench (L2 flushed before eac
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flashcourse.bench import environment
 from flashcourse.bench.fast import _ms, _sdpa   # do_bench in milliseconds; SDPA held to one backend
+from flashcourse.bench.gradients import gradient_error
 from flashcourse.bench.reports import report_main, report_opening, report_parser, save_json
 
 TOKENS = 32 * 1024          # B * T held fixed
@@ -27,20 +26,6 @@ ROWS = [  # (causal, D, T, Hkv): 06's benchmark rows that the backward's goal na
     (False, 128, 8192, 32), (True, 64, 8192, 32), (True, 128, 8192, 8)]
 BACKWARD = ["06 Triton", "Gluon", "Gluon, atomic dQ", "SDPA cuDNN", "SDPA flash"]
 TRAINING = ["flash_attention_train (06)", "hopper_attention_train", "SDPA cuDNN", "SDPA flash"]
-
-
-def _error(grads, q, k, v, do, causal: bool) -> float:
-    """max |error| of (dq, dk, dv) over batch 0 and KV head 0 (with its query heads) against FP32 autograd."""
-    group = q.shape[1] // k.shape[1]
-    part = [x[:1, :h].float().requires_grad_() for x, h in ((q, group), (k, 1), (v, 1))]
-    qf, kf, vf = part
-    scores = qf @ kf.transpose(-1, -2).repeat_interleave(group, 1) / math.sqrt(q.shape[-1])   # [1, group, T, S]
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores[0, 0], dtype=torch.bool).triu(1), float("-inf"))
-    want = torch.autograd.grad(torch.softmax(scores, -1) @ vf.repeat_interleave(group, 1), part,
-                               do[:1, :group].float())
-    mine = (grads[0][:1, :group], grads[1][:1, :1], grads[2][:1, :1])
-    return max(float((a.float() - b).abs().max()) for a, b in zip(mine, want))
 
 
 def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
@@ -63,8 +48,8 @@ def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
                                                            fallback=False)}
     for name, fn in kernels.items():
         row[f"{name} bwd"] = 2.5 * flops / _ms(fn) / 1e9
-    row["Gluon error"] = _error(kernels["Gluon"](), q, k, v, do, causal)
-    row["Gluon, atomic dQ error"] = _error(kernels["Gluon, atomic dQ"](), q, k, v, do, causal)
+    row["Gluon error"] = gradient_error(kernels["Gluon"](), q, k, v, do, causal)
+    row["Gluon, atomic dQ error"] = gradient_error(kernels["Gluon, atomic dQ"](), q, k, v, do, causal)
     trains = {"flash_attention_train (06)": lambda q, k, v: step06.flash_attention_train(q, k, v, causal=causal),
               "hopper_attention_train": lambda q, k, v: hopper_attention_train(q, k, v, causal=causal),
               "SDPA cuDNN": _sdpa(SDPBackend.CUDNN_ATTENTION, causal, kv_heads != Q_HEADS),
