@@ -388,19 +388,26 @@ if fk.gluon is None:
 os.environ["TRITON_INTERPRET"] = "0"
 
 """ + SM90_DRIVER + """gl, results = fk.gl, []
-for d, causal, pingpong, persistent, store_lse in json.loads(sys.argv[1]):
-    q = torch.empty(512, d, dtype=torch.bfloat16)
-    k = torch.empty(256, d, dtype=torch.bfloat16)
-    q_desc = fk.GluonDescriptor.from_tensor(q, [64, d], gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16))
-    kv_layout = gl.NVMMASharedLayout.get_default_for([fk.HOPPER_BLOCK_N, d], gl.bfloat16)
-    k_desc = fk.GluonDescriptor.from_tensor(k, [fk.HOPPER_BLOCK_N, d], kv_layout)
+
+
+def descriptor(x, block, dtype):
+    return fk.GluonDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+for d, causal, pingpong, persistent, store_lse, fp8 in json.loads(sys.argv[1]):
+    torch_dtype, dtype = (torch.float8_e4m3fn, gl.float8e4nv) if fp8 else (torch.bfloat16, gl.bfloat16)
+    q_desc = descriptor(torch.empty(512, d, dtype=torch_dtype), [64, d], dtype)
+    k_desc = descriptor(torch.empty(256, d, dtype=torch_dtype), [fk.HOPPER_BLOCK_N, d], dtype)
+    v_desc = descriptor(torch.empty(d, 256, dtype=torch_dtype), [d, fk.HOPPER_BLOCK_N], dtype) if fp8 else k_desc
+    scales = torch.empty(2, 2)
     compiled = fk.hopper_fwd_kernel.warmup(
-        q_desc, k_desc, k_desc, torch.empty(1, 2, 256, d, dtype=torch.bfloat16), torch.empty(1, 2, 256),
-        torch.zeros(1, dtype=torch.int32), 256, 256, 2, 1, 2, 0, 0.1, D=d, BLOCK_N=fk.HOPPER_BLOCK_N,
-        STAGES=fk.HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong, PERSISTENT=persistent, STORE_LSE=store_lse,
-        num_warps=4, grid=(1,))
-    results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": compiled.asm["ptx"].count("wgmma.mma_async"),
-                    "shared": compiled.metadata.shared})
+        q_desc, k_desc, v_desc, torch.empty(1, 2, 256, d, dtype=torch.bfloat16), torch.empty(1, 2, 256), scales,
+        scales, scales, torch.zeros(1, dtype=torch.int32), 256, 256, 2, 1, 2, 0, 2, 2, 0.1, D=d,
+        BLOCK_N=fk.HOPPER_BLOCK_N, STAGES=3 if fp8 else fk.HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
+        PERSISTENT=persistent, STORE_LSE=store_lse, FP8=fp8, P_SHIFT=8 if fp8 else 0, num_warps=4, grid=(1,))
+    ptx = compiled.asm["ptx"]
+    results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
+                    "e4m3": ptx.count(".e4m3.e4m3"), "shared": compiled.metadata.shared})
 print(json.dumps(results))
 """
 
@@ -408,13 +415,16 @@ print(json.dumps(results))
 def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """hopper_fwd_kernel compiles to an sm_90 binary with this machine's Triton and no GPU (a stand-in driver names
     the target, Triton's own ptxas assembles it, in a fresh cache): a Gluon name that moved, as the TMA load did in
-    Triton 3.9, fails here before it fails on a Hopper. Each binary holds wgmma and fits in shared memory."""
+    Triton 3.9, fails here before it fails on a Hopper. Each binary holds wgmma (on e4m3 tiles where FP8, and only
+    there) and fits in shared memory."""
     import json
     import os
     import subprocess
     import sys
 
-    configs = [(128, True, True, True, False), (64, False, False, False, True), (128, False, True, False, True)]
+    configs = [(128, True, True, True, False, False), (64, False, False, False, True, False),
+               (128, False, True, False, True, False), (128, True, False, True, False, True),
+               (64, False, True, False, True, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(configs)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -425,6 +435,7 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     assert len(results) == len(configs)
     for config, result in zip(configs, results):
         assert result["cubin"] > 0 and result["wgmma"] >= 4, (config, result)
+        assert (result["e4m3"] == result["wgmma"]) if config[-1] else not result["e4m3"], (config, result)
         assert result["shared"] <= 227 * 1024, (config, result)
 
 
@@ -543,3 +554,16 @@ def test_gradient_error_sees_each_gradient():
         changed = [g.clone() for g in exact]
         changed[i][0, 0, 2, 3] += 0.25
         assert abs(gradient_error(changed, q, k, v, do, True) - 0.25) < 1e-5
+
+
+def test_hopper_fp8_forward_refuses_what_it_cannot_run():
+    """hopper_fp8_forward names why it cannot run and fp8_forward instead: here, no Hopper GPU, or on one D = 16;
+    fp8_attention then computes with fp8_forward."""
+    from flashcourse.engine.fp8 import fp8_attention, fp8_forward, hopper_fp8_forward, prepare_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen).to(RT.device) for _ in range(3))
+    inputs = prepare_fp8(q, k, v)
+    with pytest.raises(ValueError, match="D = 64 or 128.*use fp8_forward|Hopper GPU.*use fp8_forward"):
+        hopper_fp8_forward(inputs)
+    assert torch.equal(fp8_attention(q, k, v), fp8_forward(inputs))

@@ -132,3 +132,28 @@ def test_hopper_attention_lse(persistent, batch, q_heads, kv_heads, t, s, d, cau
     want = torch.logsumexp(scores, -1)
     assert lse.dtype == torch.float32 and lse.shape == (batch, q_heads, t)
     assert float((lse.double() - want).abs().max()) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_fp8_forward needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("persistent, pingpong", [(False, False), (True, True)])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
+    (2, 8, 2, 1024, 1024, 128, True),      # GQA 4
+    (1, 8, 8, 1000, 1100, 64, True),       # queries at the end of a longer cache, neither a multiple of 128
+    (2, 4, 1, 333, 777, 128, False),       # MQA, not causal
+])
+def test_hopper_fp8_forward(persistent, pingpong, batch, q_heads, kv_heads, t, s, d, causal):
+    """Step 5's schedule with FP8=True, on the same prepared inputs as the Triton FP8 kernel: against FP32, an RMS
+    error within 1.25x the Triton kernel's (plus 1e-3) and below 3e-2, max error below 0.5; a scale or a unit of
+    acc applied to the wrong tile would be far outside."""
+    from flashcourse.bench.fast import _inputs, max_error, rms_error
+    from flashcourse.engine.fp8 import fp8_forward, hopper_fp8_forward, prepare_fp8
+
+    q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16, seed=t + s)
+    inputs = prepare_fp8(q, k, v)
+    got = hopper_fp8_forward(inputs, causal=causal, persistent=persistent, pingpong=pingpong)
+    triton_kernel = fp8_forward(inputs, causal=causal, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    rms, rms_triton = rms_error(got, q, k, v, causal), rms_error(triton_kernel, q, k, v, causal)
+    assert rms < min(3e-2, 1.25 * rms_triton + 1e-3), (rms, rms_triton)
+    assert max_error(got, q, k, v, causal) < 0.5

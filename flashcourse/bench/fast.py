@@ -458,7 +458,8 @@ def fp8_errors(t: int = 4096, heads: int = 4, d: int = 128, causal: bool = True)
 # --- FP8 end to end: prepare_fp8 in one Triton pass against its PyTorch path -----------------------------------
 
 FP8_PREPARE = [(True, 4096), (True, 8192), (True, 16384), (False, 8192)]   # (causal, T = S): bf16, D = 128, H = 32
-FP8_PREPARE_NAMES = ["SDPA cuDNN", "hopper_attention", "FP8 kernel", "fp8_attention, PyTorch quantize", "fp8_attention"]
+FP8_PREPARE_NAMES = ["SDPA cuDNN", "hopper_attention", "FP8 kernel", "FP8 Gluon kernel", "fp8_attention, PyTorch quantize",
+                     "fp8_attention"]
 
 
 def prepare_fp8_torch(q, k, v, rotation=None, block=None):
@@ -489,7 +490,7 @@ def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None)
     cuDNN, hopper_attention and the FP8 kernel alone (TFLOP/s), one process; B x T = TOKENS."""
     from torch.nn.attention import SDPBackend
 
-    from flashcourse.engine.fp8 import fp8_attention, fp8_forward, prepare_fp8, random_rotation
+    from flashcourse.engine.fp8 import fp8_attention, fp8_forward, hopper_fp8_forward, prepare_fp8, random_rotation
     from flashcourse.engine.hopper import hopper_attention
 
     rows = [] if rows is None else rows
@@ -506,12 +507,14 @@ def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None)
         impls = {"SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, False)(q, k, v),
                  "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal, fallback=False),
                  "FP8 kernel": lambda: fp8_forward(prepared, causal=causal, out_dtype=torch.bfloat16),
+                 "FP8 Gluon kernel": lambda: hopper_fp8_forward(prepared, causal=causal),
                  "fp8_attention, PyTorch quantize": lambda: fp8_forward(prepare_fp8_torch(q, k, v), causal=causal,
                                                                         out_dtype=torch.bfloat16),
                  "fp8_attention": lambda: fp8_attention(q, k, v, causal=causal)}
         for name, fn in impls.items():
             row[name] = flops / _or_nan(_ms, fn) / 1e9
         row["fp8_attention error"] = max_error(fp8_attention(q, k, v, causal=causal), q, k, v, causal)
+        row["FP8 Gluon kernel error"] = max_error(hopper_fp8_forward(prepared, causal=causal), q, k, v, causal)
         rows.append(row)
         done()
         print(f"  {'causal' if causal else 'not causal'} T={t:5d} B={batch:2d}: prepare {row['prepare_torch_ms']:.2f} -> "
@@ -530,9 +533,9 @@ def fp8_prepare_report(result: dict) -> str:
         f"D = 128, Hq = Hkv = 32, T = S, B x T = {TOKENS}; TFLOP/s = 2 B H T^2 D / time causal, 4 B H T^2 D not "
         "causal. prepare: prepare_fp8 (quantize_fp8, one Triton pass per tensor, Vᵀ written directly) against its "
         "PyTorch path (quantize_blocks three times and a transposed, padded copy of V); identical: the same bytes "
-        "and scales, without and with a rotation of Q and K. 'FP8 kernel': fp8_forward on inputs already prepared; "
-        "'fp8_attention': quantize_fp8 and the kernel, from bf16. Error: max |o - reference| of fp8_attention over "
-        "batch 0, heads 0-1, against FP32.")
+        "and scales, without and with a rotation of Q and K. 'FP8 kernel': fp8_forward (Triton) on inputs already prepared; 'FP8 Gluon "
+        "kernel': hopper_fp8_forward on the same; 'fp8_attention': quantize_fp8 and the kernel, from bf16 (the Gluon "
+        "kernel where it applies). Error: max |o - reference| of fp8_attention over batch 0, heads 0-1, against FP32.")
     lines += ["| causal | T | B | prepare, PyTorch (ms) | prepare, Triton (ms) | speed-up | identical | "
               + " | ".join(FP8_PREPARE_NAMES) + " | fp8_attention / hopper | fp8_attention / cuDNN | FP8 error |",
               "|---" * (7 + len(FP8_PREPARE_NAMES) + 3) + "|"]
@@ -540,7 +543,7 @@ def fp8_prepare_report(result: dict) -> str:
         lines.append(f"| {'yes' if r['causal'] else 'no'} | {r['t']} | {r['batch']} | {r['prepare_torch_ms']:.2f} | "
                      f"{r['prepare_ms']:.2f} | {r['prepare_torch_ms'] / r['prepare_ms']:.1f} | "
                      f"{'yes' if r['identical'] and r['identical_rotated'] else 'no'} | "
-                     + " | ".join(f"{r[n]:.1f}" for n in FP8_PREPARE_NAMES)
+                     + " | ".join(f"{r.get(n, float('nan')):.1f}" for n in FP8_PREPARE_NAMES)
                      + f" | {r['fp8_attention'] / r['hopper_attention']:.2f} | {r['fp8_attention'] / r['SDPA cuDNN']:.2f}"
                      f" | {r['fp8_attention error']:.1e} |")
     return "\n".join(lines) + "\n"

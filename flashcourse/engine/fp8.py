@@ -299,10 +299,68 @@ def fp8_forward(inputs, causal=True, query_offset=None, out_dtype=None):
     return o
 
 
+from flashcourse.engine import hopper as step5  # noqa: E402  (step 5's schedule, which takes FP8=True)
+
+HOPPER_FP8_STAGES = 3  # K and Vᵀ tiles in flight: 3 x 2 x 16 KiB at D = 128, with Q's 16 KiB
+
+
+def _hopper_fp8_refusal(inputs, causal, query_offset):
+    """Why step 5's schedule cannot run these prepared inputs (words), or None."""
+    q8, k8 = inputs.q, inputs.k
+    T, D, S = q8.shape[2], q8.shape[3], k8.shape[2]
+    if step5.gluon is None or q8.device.type != "cuda" or torch.cuda.get_device_capability(q8.device)[0] != 9:
+        return "hopper_fp8_forward runs on a Hopper GPU (H100, H200) with Triton's Gluon layer"
+    if D not in (64, 128) or inputs.block != step5.HOPPER_BLOCK_N:
+        return (f"hopper_fp8_forward takes D = 64 or 128 and {step5.HOPPER_BLOCK_N} rows per scale; got D = {D}, "
+                f"{inputs.block} rows per scale")
+    if causal and (S - T if query_offset is None else query_offset) < 0:
+        return f"a causal query_offset must be >= 0, got {query_offset}"
+    return None
+
+
+def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.bfloat16, persistent=None,
+                       pingpong=None):
+    """Attention from prepared e4m3 inputs (prepare_fp8) through step 5's schedule with FP8=True: o [B, Hq, T, D]
+    in out_dtype. ValueError where the schedule does not apply (see _hopper_fp8_refusal): use fp8_forward."""
+    refusal = _hopper_fp8_refusal(inputs, causal, query_offset)
+    if refusal is not None:
+        raise ValueError(f"{refusal}: use fp8_forward")
+    gl = step5.gl
+    q8, k8 = inputs.q, inputs.k
+    B, Hq, T, D = q8.shape
+    Hkv, S = k8.shape[1], k8.shape[2]
+    query_offset = S - T if query_offset is None else int(query_offset)
+    default_persistent, default_pingpong = step5.hopper_schedule(T, causal)
+    persistent = default_persistent if persistent is None else persistent
+    pingpong = default_pingpong if pingpong is None else pingpong
+
+    def descriptor(x, block):                                            # x: 2-D, e4m3, rows 16-byte aligned
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+        return step5.GluonDescriptor.from_tensor(x, block, layout)
+
+    q_desc = descriptor(q8.view(B * Hq * T, D), [step5.HOPPER_BLOCK_M // 2, D])
+    k_desc = descriptor(k8.view(B * Hkv * S, D), [step5.HOPPER_BLOCK_N, D])
+    vt_desc = descriptor(inputs.v_t.view(B * Hkv * D, -1), [D, step5.HOPPER_BLOCK_N])   # Vᵀ [B*Hkv*D, S16]
+    o = torch.empty(q8.shape, device=q8.device, dtype=out_dtype)        # [B, Hq, T, D]
+    items = triton.cdiv(T, step5.HOPPER_BLOCK_M) * B * Hq
+    programs = min(items, torch.cuda.get_device_properties(q8.device).multi_processor_count) if persistent else items
+    queue = torch.zeros(1, dtype=torch.int32, device=q8.device)
+    step5.hopper_fwd_kernel[(programs,)](
+        q_desc, k_desc, vt_desc, o, o, inputs.q_scale, inputs.k_scale, inputs.v_scale, queue, T, S, Hq, Hkv,
+        B * Hq, query_offset, inputs.q_scale.shape[2], inputs.k_scale.shape[2], LOG2E / math.sqrt(D), D=D,
+        BLOCK_N=step5.HOPPER_BLOCK_N, STAGES=HOPPER_FP8_STAGES, CAUSAL=causal, PINGPONG=pingpong,
+        PERSISTENT=persistent, FP8=True, P_SHIFT=P_SHIFT.value, num_warps=4)
+    return o
+
+
 def fp8_attention(q, k, v, causal=True, query_offset=None, rotation=None):
-    """q [B, Hq, T, D], k and v [B, Hkv, S, D] quantized to e4m3 (prepare_fp8), then attended in FP8."""
+    """q [B, Hq, T, D], k and v [B, Hkv, S, D] quantized to e4m3 (prepare_fp8), then attended in FP8: through
+    step 5's schedule (hopper_fp8_forward) where it applies, through fp8_forward elsewhere."""
     _check_inputs(q, k, v)
     if TensorDescriptor is None:
         raise ValueError("the FP8 kernel needs tensor descriptors (Triton 3.4 or later)")
     out_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
-    return fp8_forward(prepare_fp8(q, k, v, rotation), causal, query_offset, out_dtype)
+    inputs = prepare_fp8(q, k, v, rotation)
+    if _hopper_fp8_refusal(inputs, causal, query_offset) is None:
+        return hopper_fp8_forward(inputs, causal, query_offset, out_dtype or torch.bfloat16)
+    return fp8_forward(inputs, causal, query_offset, out_dtype)

@@ -64,10 +64,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
     def _hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                      v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
                      HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+                     CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, V_TRANSPOSED: gl.constexpr):
         # The producer warp: for each of its items, the item's number for the consumers, Q's two halves, then K
         # and V tiles into rings of STAGES slots. A slot (and Q) is refilled once both consumers have arrived on
-        # its empty barrier. n_items for an item means that none is left.
+        # its empty barrier. n_items for an item means that none is left. V_TRANSPOSED (step 6's FP8): v_desc is over
+        # Vᵀ [B*Hkv*D, S16], whose tile is the D rows of the KV head and BLOCK_N keys.
         dtype: gl.constexpr = q_desc.dtype
         tile_bytes: gl.constexpr = BLOCK_N * D * dtype.primitive_bitwidth // 8
         item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -76,7 +77,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         item = _hopper_next(queue_ptr, n_items, True, PERSISTENT)
         while item < n_items:
             bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
-            kv_row = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * S
+            kv_index = (bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)     # the (batch, KV head) of the query head
+            kv_row = kv_index * S
             mbarrier.wait(q_empty, (done & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
             item_smem.store(gl.full([1], item, gl.int32, item_layout))   # visible once q_bar completes
             mbarrier.expect(q_bar, 2 * HALF_M * D * dtype.primitive_bitwidth // 8)
@@ -91,8 +93,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                                                 k_smem.index(slot))
                 mbarrier.wait(v_empty.index(slot), free_phase)
                 mbarrier.expect(v_full.index(slot), tile_bytes)
-                tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_full.index(slot),
-                                                v_smem.index(slot))
+                if V_TRANSPOSED:
+                    tma_load(v_desc, [kv_index * D, j * BLOCK_N], v_full.index(slot), v_smem.index(slot))
+                else:
+                    tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_full.index(slot), v_smem.index(slot))
                 t += 1
             done += 1
             item = _hopper_next(queue_ptr, n_items, False, PERSISTENT)
@@ -104,8 +108,9 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _hopper_softmax(s, m, l, q_pos, q_first, n0, S, qk_scale,
-                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        # s [BLOCK_M, BLOCK_N] raw scores of tile n0; m, l [BLOCK_M] in log2 units of the scaled scores
+                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, P_SHIFT: gl.constexpr):
+        # s [BLOCK_M, BLOCK_N] raw scores of tile n0; m, l [BLOCK_M] in log2 units of the scaled scores; P and l
+        # carry a factor 2^P_SHIFT (step 6's FP8: P then lies in e4m3's normal range, as in _fp8_tile)
         need_mask = n0 + BLOCK_N > S
         if CAUSAL:
             need_mask = need_mask | (n0 + BLOCK_N > q_first + 1)
@@ -117,7 +122,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             s = gl.where(visible, s, -float("inf"))
         m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
+        if P_SHIFT:
+            p = gl.exp2(s * qk_scale - (m_new - P_SHIFT)[:, None])
+        else:
+            p = gl.exp2(s * qk_scale - m_new[:, None])
         l = l * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l
 
@@ -138,20 +146,26 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _hopper_consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                        item_smem, o_ptr, lse_ptr, T, S, query_offset, n_m, n_items, qk_scale,
+                        item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                        query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
                         HALF: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                        STORE_LSE: gl.constexpr):
+                        STORE_LSE: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr):
         # One consumer warpgroup: HALF_M query rows of each item against its K/V tiles. Per tile j it issues
         # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
         # tensor cores.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, D, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        # FP8 (step 6): Q, K and Vᵀ in e4m3, each block of 128 rows with its scale (q_blocks, kv_blocks per head):
+        # S_j is scaled by Q's block's scale and K_j's, and acc is kept in units of the last V tile's scale; P and l carry
+        # 2^P_SHIFT, as in _fp8_tile.
         dtype: gl.constexpr = q_smem.dtype
+        mma_k: gl.constexpr = 256 // dtype.primitive_bitwidth            # a wgmma's depth: 16 in 16 bits, 32 in 8
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_N, mma_k])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, mma_k])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=32 // dtype.primitive_bitwidth)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         q_half = q_smem.index(HALF)
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         t = 0                                     # tiles consumed so far, over all items
@@ -164,6 +178,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
             first = q_first + HALF * HALF_M
             q_pos = first + gl.arange(0, HALF_M, layout=row_layout)
+            scale = qk_scale
+            if FP8:
+                kv_scales = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * kv_blocks   # this KV head's first
+                scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + row0 // (2 * HALF_M))
+                v_unit = gl.load(v_scale_ptr + kv_scales)
             m = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
             l = gl.zeros([HALF_M], gl.float32, row_layout)
 
@@ -175,7 +194,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             k += 1
             s = warpgroup_mma_wait(0, deps=[s_tok, q_half, k_smem.index(slot)])[0]
             mbarrier.arrive(k_empty.index(slot), count=1)
-            p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, qk_scale, CAUSAL, BLOCK_N, s_layout)
+            tile_scale = scale
+            if FP8:
+                tile_scale = scale * gl.load(k_scale_ptr + kv_scales)
+            p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, tile_scale, CAUSAL, BLOCK_N, s_layout,
+                                             P_SHIFT)
             acc = warpgroup_mma_init(gl.zeros([HALF_M, D], gl.float32, o_layout))
             for j in range(1, n_tiles):
                 cur = (t + j) % STAGES
@@ -185,16 +208,26 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 _take_turn(turns, k, HALF, PINGPONG)
                 s_tok = warpgroup_mma(q_half, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                if FP8:   # the second operand K-major, as 8-bit wgmma asks: Vᵀ's tile seen as [BLOCK_N, D]
+                    acc = warpgroup_mma(p_op, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
                 _give_turn(turns, HALF, PINGPONG)
                 k += 1
                 # S_j done; P_{j-1} V_{j-1} may still run during the softmax
                 s = warpgroup_mma_wait(1, deps=[s_tok, q_half, k_smem.index(cur)])[0]
                 mbarrier.arrive(k_empty.index(cur), count=1)
-                p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, j * BLOCK_N, S, qk_scale, CAUSAL, BLOCK_N,
-                                                 s_layout)
+                tile_scale = scale
+                if FP8:
+                    tile_scale = scale * gl.load(k_scale_ptr + kv_scales + j)
+                p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, j * BLOCK_N, S, tile_scale, CAUSAL, BLOCK_N,
+                                                 s_layout, P_SHIFT)
                 acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(prev)])[0]
                 mbarrier.arrive(v_empty.index(prev), count=1)
+                if FP8:   # the softmax's rescale and the change of unit to V_j's scale, in one multiply
+                    v_scale = gl.load(v_scale_ptr + kv_scales + j)
+                    alpha = alpha * (v_unit / v_scale)
+                    v_unit = v_scale
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
                 acc = warpgroup_mma_init(acc * alpha_o[:, None])
             mbarrier.arrive(q_empty, count=1)     # every S of this item is done: Q's buffer may take the next item's
@@ -203,7 +236,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             mbarrier.wait(v_full.index(last), ((t + n_tiles - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             _take_turn(turns, k, HALF, PINGPONG)
-            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            if FP8:
+                acc = warpgroup_mma(p_op, v_smem.index(last).permute((1, 0)), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
             _give_turn(turns, HALF, PINGPONG)
             k += 1
             acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(last)])[0]
@@ -211,14 +247,21 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             t += n_tiles
             done += 1
 
-            l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
-            out = (acc / l_o[:, None]).to(dtype)
+            l_out = l
+            if FP8:
+                l_out = l / v_unit
+            l_o = gl.convert_layout(l_out, gl.SliceLayout(1, o_layout))
+            out = (acc / l_o[:, None]).to(o_ptr.dtype.element_ty)
             rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             gl.store(o_ptr + (bh * T + rows)[:, None] * D + cols[None, :], out, mask=(rows < T)[:, None])
             if STORE_LSE:  # m is in the log2 domain: ln(sum exp(s)) = (m + log2(l)) · ln(2); every row sees a key
                 lse_rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-                gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l)) * 0.6931471805599453, mask=lse_rows < T)
+                if P_SHIFT:   # l carries 2^P_SHIFT
+                    gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l) - P_SHIFT) * 0.6931471805599453,
+                             mask=lse_rows < T)
+                else:
+                    gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l)) * 0.6931471805599453, mask=lse_rows < T)
             mbarrier.wait(q_bar, done & 1)
             item = gl.max(item_smem.load(item_layout), axis=0)
 
@@ -229,9 +272,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         q_desc, k_desc, v_desc,                  # TMA descriptors: q [B*Hq*T, D] by 64 rows, k and v [B*Hkv*S, D]
         o_ptr,                                   # o [B, Hq, T, D], contiguous
         lse_ptr,                                 # lse [B, Hq, T] FP32, natural log (written if STORE_LSE)
+        q_scale_ptr, k_scale_ptr, v_scale_ptr,   # FP8 only: per-block scales [B*Hq, q_blocks], [B*Hkv, kv_blocks] twice
         queue_ptr,                               # int32 zero: the next work item, when PERSISTENT
         T, S, Hq, Hkv, B_HQ,                     # queries, keys, query heads, KV heads, B x Hq
         query_offset,                            # absolute position of query 0
+        q_blocks, kv_blocks,                     # FP8 only: scales per (batch, head): ceil(T / 128), ceil(S / 128)
         qk_scale,                                # log2(e)/sqrt(D)
         D: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -240,6 +285,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         PINGPONG: gl.constexpr,
         PERSISTENT: gl.constexpr,
         STORE_LSE: gl.constexpr = False,
+        FP8: gl.constexpr = False,               # step 6: q, k in e4m3, v_desc over Vᵀ [B*Hkv*D, S16] in e4m3
+        P_SHIFT: gl.constexpr = 0,               # FP8: P computed as 2^P_SHIFT · P
     ):
         HALF_M: gl.constexpr = 64
         BLOCK_M: gl.constexpr = 2 * HALF_M
@@ -249,7 +296,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
         q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        if FP8:
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, D, BLOCK_N], v_desc.layout)   # Vᵀ's tiles
+        else:
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -271,14 +321,16 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
         gl.warp_specialize([
             (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                               item_smem, o_ptr, lse_ptr, T, S, query_offset, n_m, n_items, qk_scale,
-                               0, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE)),
+                               item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                               query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
+                               0, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT)),
             (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                               item_smem, o_ptr, lse_ptr, T, S, query_offset, n_m, n_items, qk_scale,
-                               1, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE)),
+                               item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                               query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
+                               1, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT)),
             (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                             v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
-                            HALF_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT)),
+                            HALF_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8)),
         ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
 
 
@@ -367,7 +419,7 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_ls
     programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
     queue = torch.zeros(1, dtype=torch.int32, device=q.device)
     hopper_fwd_kernel[(programs,)](
-        q_desc, k_desc, v_desc, o, o if lse is None else lse, queue, T, S, Hq, Hkv, B * Hq, query_offset,
-        LOG2E / math.sqrt(D), D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
+        q_desc, k_desc, v_desc, o, o if lse is None else lse, o, o, o, queue, T, S, Hq, Hkv, B * Hq, query_offset,
+        0, 0, LOG2E / math.sqrt(D), D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
         PERSISTENT=persistent, STORE_LSE=store_lse, num_warps=4)
     return o, lse
