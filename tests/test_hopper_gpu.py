@@ -115,6 +115,8 @@ def test_hopper_attention_falls_back_where_its_schedule_does_not_apply(t, s, d, 
     (2, 8, 2, 1024, 1024, 128, True),      # GQA 4
     (1, 8, 8, 384, 1000, 64, True),        # queries at the end of a longer cache
     (2, 4, 2, 256, 777, 128, False),       # not causal, S not a multiple of a tile
+    (1, 4, 2, 200, 200, 128, True),        # T not a multiple of 128: the last tile's rows past T are not stored
+    (1, 8, 2, 1000, 1100, 64, False),      # neither T nor S a multiple of 128
 ])
 def test_hopper_attention_lse(persistent, batch, q_heads, kv_heads, t, s, d, causal):
     """hopper_attention_lse's o is hopper_attention's, bit for bit, and its lse is an FP32 log-sum-exp within 1e-4

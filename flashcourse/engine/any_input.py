@@ -57,7 +57,7 @@ def attention_lse(q, k, v, causal=True, query_offset=None, window=None):
     q, k, v, dv = widened(q, k, v)
     from flashcourse.engine.hopper import _hopper_refusal, hopper_attention_lse  # which imports this module
 
-    if window is None and _hopper_refusal(q, k, causal, query_offset, lse=True) is None:
+    if window is None and _hopper_refusal(q, k, causal, query_offset) is None:
         o, lse = hopper_attention_lse(q, k, v, causal=causal, query_offset=query_offset, fallback=False)
     else:
         o, lse = fast_attention_lse(q, k, v, query_offset=query_offset, causal=causal, window=window)

@@ -342,16 +342,12 @@ def hopper_schedule(t, causal):
     return (not causal or t <= 4096), (not causal and t <= 2048)
 
 
-def _hopper_refusal(q, k, causal, query_offset, lse=False):
-    """Why this schedule cannot run the inputs (an exception to raise), or None; lse=True for
-    hopper_attention_lse, which takes T a multiple of 128 only."""
+def _hopper_refusal(q, k, causal, query_offset):
+    """Why this schedule cannot run the inputs (an exception to raise), or None."""
     T, D, S = q.shape[2], q.shape[3], k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128):
         return ValueError(f"hopper_attention takes bf16 or fp16 and D = 64 or 128; got {q.dtype}, D = {D}: "
                           f"use fast_attention")
-    if lse and T % HOPPER_BLOCK_M:
-        return ValueError(f"hopper_attention_lse takes T a multiple of {HOPPER_BLOCK_M}, got T = {T}: "
-                          f"use fast_attention_lse")
     if causal and (S - T if query_offset is None else query_offset) < 0:
         return ValueError(f"a causal query_offset must be >= 0, got {query_offset}")
     if gluon is None:
@@ -382,9 +378,9 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
 
 def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, fallback=True):
     """(o, lse): hopper_attention's o and each row's log-sum-exp [B, Hq, T] in FP32 (natural log), as 05's
-    fast_attention_lse returns them; T a multiple of 128. Where the schedule does not apply, step 7's
+    fast_attention_lse returns them, for any T. Where the schedule does not apply, step 7's
     `attention_lse`."""
-    refusal = _hopper_refusal(q, k, causal, query_offset, lse=True)
+    refusal = _hopper_refusal(q, k, causal, query_offset)
     if refusal is not None:
         if not fallback:
             raise refusal

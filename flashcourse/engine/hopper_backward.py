@@ -386,7 +386,7 @@ class HopperAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=True, query_offset=None):
-        if step5._hopper_refusal(q, k, causal, query_offset, lse=True) is None:
+        if step5._hopper_refusal(q, k, causal, query_offset) is None:
             o, lse = step5.hopper_attention_lse(q, k, v, causal=causal, query_offset=query_offset, fallback=False)
         else:
             o, lse = flash_attention_lse(q, k, v, query_offset, causal)
