@@ -5,9 +5,10 @@
 bf16, causal, B = 1, Hq = 32, Hkv = 8, D = 128. For each T, every rank runs the same list on its own
 GPU, all from one process group:
 
-- one GPU, whole sequence: the course's Triton kernel (05's fast_attention_lse, the ring's step), and
+- one GPU, whole sequence: the course's kernel (08's attention_lse, the ring's step: the Gluon kernel on a
+  Hopper GPU, 05's fast_attention_lse elsewhere), and
   torch's scaled_dot_product_attention with its cuDNN and FlashAttention-2 backends;
-- the ring (07's ring_attention, its step on the Triton kernel) in both layouts, overlapped (the next
+- the ring (07's ring_attention, its step on that kernel) in both layouts, overlapped (the next
   shard's transfer runs while this step computes) and not (`transfers_waited_at_once`: each transfer
   finished before the step computes);
 - torch.distributed.tensor.experimental.context_parallel over SDPA (cuDNN and flash backends).
@@ -120,14 +121,14 @@ def measure(rank: int, world_size: int, *, lengths, repeats: int) -> dict:
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
     from torch.nn.attention import sdpa_kernel
 
-    from flashcourse.engine.fast_lse import fast_attention_lse
+    from flashcourse.engine.any_input import attention_lse
     from flashcourse.engine import ring_attention as ring
 
     mesh = init_device_mesh("cuda", (world_size,))
     results = {}
     for length in lengths:
         q, k, v = inputs(length)
-        ms, (reference, _) = timed(lambda: fast_attention_lse(q, k, v, causal=True), repeats)
+        ms, (reference, _) = timed(lambda: attention_lse(q, k, v, causal=True), repeats)
         attempt(results, (length, "course kernel, 1 GPU"), rank, lambda: (ms, 0.0))
         k_rep, v_rep = (x.repeat_interleave(HQ // HKV, dim=1) for x in (k, v))   # [B, Hq, T, D]
 
