@@ -67,8 +67,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                      CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, V_TRANSPOSED: gl.constexpr):
         # The producer warp: for each of its items, the item's number for the consumers, Q's two halves, then K
         # and V tiles into rings of STAGES slots. A slot (and Q) is refilled once both consumers have arrived on
-        # its empty barrier. n_items for an item means that none is left. V_TRANSPOSED (step 6's FP8): v_desc is over
-        # Vᵀ [B*Hkv*D, S16], whose tile is the D rows of the KV head and BLOCK_N keys.
+        # its empty barrier. n_items for an item means that none is left. V_TRANSPOSED (step 6's FP8): v_desc is
+        # over Vᵀ [B*Hkv*D, S16], whose tile is the D rows of the KV head and BLOCK_N keys.
         dtype: gl.constexpr = q_desc.dtype
         tile_bytes: gl.constexpr = BLOCK_N * D * dtype.primitive_bitwidth // 8
         item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -155,8 +155,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
         # tensor cores.
         # FP8 (step 6): Q, K and Vᵀ in e4m3, each block of 128 rows with its scale (q_blocks, kv_blocks per head):
-        # S_j is scaled by Q's block's scale and K_j's, and acc is kept in units of the last V tile's scale; P and l carry
-        # 2^P_SHIFT, as in _fp8_tile.
+        # S_j is scaled by Q's block's scale and K_j's, acc is kept in units of the last V tile's scale, and P and
+        # l carry 2^P_SHIFT, as in _fp8_tile.
         dtype: gl.constexpr = q_smem.dtype
         mma_k: gl.constexpr = 256 // dtype.primitive_bitwidth            # a wgmma's depth: 16 in 16 bits, 32 in 8
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
