@@ -44,6 +44,7 @@ FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given 
 TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GPT from three seeds, three attentions
 BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the backward kernels against SDPA (bench_backward)
 FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08: one-pass quantize, FP8 end to end
+FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the same, FP8 in step 5's Gluon schedule
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
@@ -200,9 +201,9 @@ def _fp8_prepare(data, t: int, causal: bool = True) -> dict:
     return next(r for r in data["fp8_prepare"] if (r["t"], r["causal"]) == (t, causal))
 
 
-def _end_to_end_over(data, under: str) -> list[float]:
-    """fp8_attention's TFLOP/s from bf16 inputs over `under`'s, at every --fp8-prepare row."""
-    return [r["fp8_attention"] / r[under] for r in data["fp8_prepare"]]
+def _over(data, name: str, under: str) -> list[float]:
+    """`name`'s TFLOP/s over `under`'s, at every --fp8-prepare row ("fp8_attention": end to end, from bf16)."""
+    return [r[name] / r[under] for r in data["fp8_prepare"]]
 
 
 def _groups_over_fast(data) -> list[float]:
@@ -410,10 +411,25 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.torch_quantize_tflops_16k": Figure(FP8_PREPARE,
                                                 lambda d: _fp8_prepare(d, 16384)["fp8_attention, PyTorch quantize"]),
     "gap.fp8.end_to_end_tflops_16k": Figure(FP8_PREPARE, lambda d: _fp8_prepare(d, 16384)["fp8_attention"]),
-    "gap.fp8.end_to_end_over_hopper_min": Figure(FP8_PREPARE, lambda d: min(_end_to_end_over(d, "hopper_attention")), 2),
-    "gap.fp8.end_to_end_over_hopper_max": Figure(FP8_PREPARE, lambda d: max(_end_to_end_over(d, "hopper_attention")), 2),
-    "gap.fp8.end_to_end_over_cudnn_min": Figure(FP8_PREPARE, lambda d: min(_end_to_end_over(d, "SDPA cuDNN")), 2),
-    "gap.fp8.end_to_end_over_cudnn_max": Figure(FP8_PREPARE, lambda d: max(_end_to_end_over(d, "SDPA cuDNN")), 2),
+    "gap.fp8.end_to_end_over_hopper_min": Figure(FP8_PREPARE, lambda d: min(_over(d, "fp8_attention", "hopper_attention")), 2),
+    "gap.fp8.end_to_end_over_hopper_max": Figure(FP8_PREPARE, lambda d: max(_over(d, "fp8_attention", "hopper_attention")), 2),
+    "gap.fp8.end_to_end_over_cudnn_min": Figure(FP8_PREPARE, lambda d: min(_over(d, "fp8_attention", "SDPA cuDNN")), 2),
+    "gap.fp8.end_to_end_over_cudnn_max": Figure(FP8_PREPARE, lambda d: max(_over(d, "fp8_attention", "SDPA cuDNN")), 2),
+    "gap.fp8.gluon_over_hopper_min": Figure(FP8_GLUON, lambda d: min(_over(d, "FP8 Gluon kernel", "hopper_attention")), 2),
+    "gap.fp8.gluon_over_hopper_max": Figure(FP8_GLUON, lambda d: max(_over(d, "FP8 Gluon kernel", "hopper_attention")), 2),
+    "gap.fp8.gluon_over_triton_min": Figure(FP8_GLUON, lambda d: min(_over(d, "FP8 Gluon kernel", "FP8 kernel")), 2),
+    "gap.fp8.gluon_over_triton_max": Figure(FP8_GLUON, lambda d: max(_over(d, "FP8 Gluon kernel", "FP8 kernel")), 2),
+    "gap.fp8.gluon_tflops_16k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 16384)["FP8 Gluon kernel"]),
+    "gap.fp8.gluon_full_8k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 8192, causal=False)["FP8 Gluon kernel"]),
+    "gap.fp8.gluon_end_to_end_4k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 4096)["fp8_attention"] /
+                                          _fp8_prepare(d, 4096)["hopper_attention"], 2),
+    "gap.fp8.gluon_end_to_end_8k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 8192)["fp8_attention"] /
+                                          _fp8_prepare(d, 8192)["hopper_attention"], 2),
+    "gap.fp8.gluon_end_to_end_16k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 16384)["fp8_attention"] /
+                                           _fp8_prepare(d, 16384)["hopper_attention"], 2),
+    "gap.fp8.gluon_end_to_end_full_8k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 8192, causal=False)["fp8_attention"]
+                                               / _fp8_prepare(d, 8192, causal=False)["hopper_attention"], 2),
+    "gap.fp8.gluon_end_to_end_over_cudnn_max": Figure(FP8_GLUON, lambda d: max(_over(d, "fp8_attention", "SDPA cuDNN")), 2),
     "gap.fp8.rms_bf16_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "bf16 fast_attention", "rms"), 2),
     "gap.fp8.rms_fp8_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8", "rms"), 2),
     "gap.fp8.rms_rot_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8 + rotation", "rms"), 2),
