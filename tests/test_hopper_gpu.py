@@ -87,6 +87,45 @@ def test_hopper_attention(persistent, pingpong, dtype, batch, q_heads, kv_heads,
     assert error < 2e-2, f"persistent={persistent}, pingpong={pingpong}: max |error| {error:.2e}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("persistent, pingpong", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, causal", [
+    (2, 8, 2, 1024, 1024, True),           # GQA 4, several items per program when persistent
+    (1, 8, 8, 384, 1000, True),            # two items of 192 queries at the end of a longer cache
+    (3, 40, 8, 1280, 1280, True),          # 840 items: more than one wave
+    (1, 8, 2, 1000, 1100, True),           # T not a multiple of 192: the last item's rows past T are not stored
+    (2, 4, 2, 256, 777, False),            # not causal, the last tile runs into the next head's keys
+])
+def test_hopper_attention_three_consumers(persistent, pingpong, batch, q_heads, kv_heads, t, s, causal):
+    """Three consumer warpgroups (192 query rows an item) give two's o and lse bit for bit: each row's loop over
+    the keys is the same; a turn passed to the wrong consumer hangs, a block of Q loaded for the wrong rows
+    differs. Two are within 2e-2 of an FP64 reference."""
+    from flashcourse.bench.fast import _inputs
+    from flashcourse.checks import reference
+
+    q, k, v = _inputs(batch, q_heads, kv_heads, t, s, 64, torch.bfloat16)
+    schedule = dict(causal=causal, persistent=persistent, pingpong=pingpong, fallback=False)
+    o2, lse2 = hopper_attention_lse(q, k, v, consumers=2, **schedule)
+    o3, lse3 = hopper_attention_lse(q, k, v, consumers=3, **schedule)
+    want = reference.attention(q.cpu(), k.cpu(), v.cpu(), causal=causal)
+    assert (o2.cpu().double() - want).abs().max() < 2e-2
+    assert torch.equal(o3, o2), f"max |o3 - o2| {float((o3.float() - o2.float()).abs().max()):.2e}"
+    assert torch.equal(lse3, lse2), f"max |lse3 - lse2| {float((lse3 - lse2).abs().max()):.2e}"
+    assert torch.equal(hopper_attention(q, k, v, consumers=3, **schedule), o3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
+def test_hopper_attention_refuses_three_consumers_at_d128():
+    """At D = 128 three consumers would spill their accumulators: refused, with the reason."""
+    from flashcourse.bench.fast import _inputs
+
+    q, k, v = _inputs(1, 2, 2, 256, 256, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="3 at D = 64"):
+        hopper_attention(q, k, v, consumers=3)
+
+
 @pytest.mark.parametrize("t, s, d, dtype, causal", [
     (200, 200, 96, torch.bfloat16, True),     # D = 96
     (256, 256, 32, torch.float16, False),     # D = 32

@@ -40,6 +40,7 @@ LPT_GROUPS = "flashcourse/bench/measured/fast_lpt_groups.json"        # longest 
 LAST_GAP_2 = "flashcourse/bench/measured/fast_last_gap_2.json"        # 05's given steps: the grid with the lse forward, decode
 HOPPER = "flashcourse/bench/measured/fast_hopper.json"              # 08: hopper_attention (Gluon) on the prefill grid
 HOPPER_REPORT = "benchmarks/results/2026-12-01-h200-hopper-gluon.md"  # 08: the same run, and the versions before it
+CONSUMERS = "benchmarks/results/2026-12-05-h100-hopper-consumers.json"  # 08: two consumer warpgroups or three, D = 64
 FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given steps: decode in one launch against two
 TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GPT from three seeds, three attentions
 BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the backward kernels against SDPA (bench_backward)
@@ -226,6 +227,18 @@ def _hopper_ratios(data, best: bool) -> list[float]:
 def _hopper_row(data, t: int, causal: bool = True) -> dict:
     """--hopper's row at bf16, D = 128, H = 32/32, T = t."""
     (row,) = _prefill(data, t_in=(t,), causal=causal, d=128, dtype="bf16", kv_heads=32)
+    return row
+
+
+def _three_over_two(data, causal: bool = True, t_at_least: int = 0, t_at_most: float = math.inf) -> list[float]:
+    """Three consumer warpgroups' TFLOP/s over two's, at --consumers' rows of that mask and range of T."""
+    return [r["3 consumers"] / r["2 consumers"] for r in data["consumers"]
+            if r["causal"] == causal and t_at_least <= r["t"] <= t_at_most]
+
+
+def _consumers_row(data, t: int) -> dict:
+    """--consumers' causal row at H = 32/32, T = t."""
+    (row,) = [r for r in data["consumers"] if r["causal"] and r["kv_heads"] == 32 and r["t"] == t]
     return row
 
 
@@ -464,6 +477,16 @@ FIGURES: dict[str, Figure] = {
     "hopper.fast_full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["fast_attention"]),
     "hopper.repeat_rows_within_5": Figure(HOPPER, lambda d: sum(abs(x - 1) <= 0.05 for x in _hopper_repeats(d))),
     "hopper.repeat_worst_pct": Figure(HOPPER, lambda d: 100 * max(abs(x - 1) for x in _hopper_repeats(d))),
+    "hopper.c3.over_two_min": Figure(CONSUMERS, lambda d: min(_three_over_two(d, t_at_least=4096)), 2),
+    "hopper.c3.over_two_max": Figure(CONSUMERS, lambda d: max(_three_over_two(d, t_at_least=4096)), 2),
+    "hopper.c3.over_two_1k": Figure(CONSUMERS, lambda d: _three_over_two(d, t_at_most=1024)[0], 2),
+    "hopper.c3.full_over_two_min": Figure(CONSUMERS, lambda d: min(_three_over_two(d, causal=False)), 2),
+    "hopper.c3.full_over_two_max": Figure(CONSUMERS, lambda d: max(_three_over_two(d, causal=False)), 2),
+    "hopper.c3.causal_16k": Figure(CONSUMERS, lambda d: _consumers_row(d, 16384)["3 consumers"]),
+    "hopper.c3.two_causal_16k": Figure(CONSUMERS, lambda d: _consumers_row(d, 16384)["2 consumers"]),
+    "hopper.c3.cudnn_causal_16k": Figure(CONSUMERS, lambda d: _consumers_row(d, 16384)["SDPA cuDNN"]),
+    "hopper.c3.identical": Figure(CONSUMERS, lambda d: sum(r["identical"] for r in d["consumers"])),
+    "hopper.c3.rows": Figure(CONSUMERS, lambda d: len(d["consumers"])),
     # 08, step 5: the versions before hopper_attention, bf16 causal D = 128 T = 16k unless named (each its own run)
     **_version_figures(1, causal_16k=(CAUSAL_16K, 0), cudnn_16k=(CUDNN, 0), fast_16k=(FAST_SAME_RUN, 0)),
     **_version_figures(2, causal_16k_2_stages=(CAUSAL_16K, 0), causal_16k_3_stages=(CAUSAL_16K, 2),

@@ -63,11 +63,12 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
                      v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
-                     HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, V_TRANSPOSED: gl.constexpr):
-        # The producer warp: for each of its items, the item's number for the consumers, Q's two halves, then K
-        # and V tiles into rings of STAGES slots. A slot (and Q) is refilled once both consumers have arrived on
-        # its empty barrier. n_items for an item means that none is left. V_TRANSPOSED (step 6's FP8): v_desc is
+                     WG_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+                     CONSUMERS: gl.constexpr):
+        # The producer warp: for each of its items, the item's number for the consumers, Q's CONSUMERS blocks of
+        # WG_M rows, then K and V tiles into rings of STAGES slots. A slot (and Q) is refilled once every
+        # consumer has arrived on its empty barrier. n_items for an item means that none is left. V_TRANSPOSED (step 6's FP8): v_desc is
         # over Vᵀ [B*Hkv*D, S16], whose tile is the D rows of the KV head and BLOCK_N keys.
         dtype: gl.constexpr = q_desc.dtype
         tile_bytes: gl.constexpr = BLOCK_N * D * dtype.primitive_bitwidth // 8
@@ -76,21 +77,21 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         done = 0                                  # items loaded so far
         item = _hopper_next(queue_ptr, n_items, True, PERSISTENT)
         while item < n_items:
-            bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
+            bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, CONSUMERS * WG_M, BLOCK_N,
+                                                      CAUSAL)
             kv_index = (bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)     # the (batch, KV head) of the query head
             kv_row = kv_index * S
             mbarrier.wait(q_empty, (done & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
             item_smem.store(gl.full([1], item, gl.int32, item_layout))   # visible once q_bar completes
-            mbarrier.expect(q_bar, 2 * HALF_M * D * dtype.primitive_bitwidth // 8)
-            tma_load(q_desc, [bh * T + row0, 0], q_bar, q_smem.index(0))
-            tma_load(q_desc, [bh * T + row0 + HALF_M, 0], q_bar, q_smem.index(1))
+            mbarrier.expect(q_bar, CONSUMERS * WG_M * D * dtype.primitive_bitwidth // 8)
+            for c in gl.static_range(CONSUMERS):
+                tma_load(q_desc, [bh * T + row0 + c * WG_M, 0], q_bar, q_smem.index(c))
             for j in range(n_tiles):
                 slot = t % STAGES
                 free_phase = ((t // STAGES) & 1) ^ 1
                 mbarrier.wait(k_empty.index(slot), free_phase)
                 mbarrier.expect(k_full.index(slot), tile_bytes)
-                tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_full.index(slot),
-                                                k_smem.index(slot))
+                tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
                 mbarrier.wait(v_empty.index(slot), free_phase)
                 mbarrier.expect(v_full.index(slot), tile_bytes)
                 if V_TRANSPOSED:
@@ -131,16 +132,18 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
-    def _take_turn(turns, k, HALF: gl.constexpr, PINGPONG: gl.constexpr):
-        # Before a consumer's k-th burst of matrix products: wait until the other consumer has issued its own.
+    def _take_turn(turns, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        # Before consumer WG's k-th burst of matrix products: wait until the consumer before it has issued its
+        # own (consumer 0's first wait passes: a fresh barrier's previous phase counts as complete).
         if PINGPONG:
-            mbarrier.wait(turns.index(HALF), ((k & 1) ^ 1) if HALF == 0 else (k & 1))
+            mbarrier.wait(turns.index(WG), ((k & 1) ^ 1) if WG == 0 else (k & 1))
 
 
     @gluon.jit
-    def _give_turn(turns, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    def _give_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+        # The turn passes round the consumers: 0, 1, (2,) 0, ...
         if PINGPONG:
-            mbarrier.arrive(turns.index(1 - HALF), count=1)
+            mbarrier.arrive(turns.index((WG + 1) % CONSUMERS), count=1)
 
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
@@ -148,10 +151,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
     def _hopper_consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                         item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                         query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
-                        HALF: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                        WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                        STORE_LSE: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr):
-        # One consumer warpgroup: HALF_M query rows of each item against its K/V tiles. Per tile j it issues
+                        STORE_LSE: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
+                        CONSUMERS: gl.constexpr):
+        # One consumer warpgroup: WG_M query rows of each item against its K/V tiles. Per tile j it issues
         # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
         # tensor cores.
         # FP8 (step 6): Q, K and Vᵀ in e4m3, each block of 128 rows with its scale (q_blocks, kv_blocks per head):
@@ -166,8 +170,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                      k_width=32 // dtype.primitive_bitwidth)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        q_half = q_smem.index(HALF)
-        s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+        q_wg = q_smem.index(WG)
+        s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
         t = 0                                     # tiles consumed so far, over all items
         k = 0                                     # bursts of matrix products issued so far (the ping-pong's turns)
         done = 0
@@ -175,47 +179,48 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         mbarrier.wait(q_bar, 0)
         item = gl.max(item_smem.load(item_layout), axis=0)
         while item < n_items:
-            bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, 2 * HALF_M, BLOCK_N, CAUSAL)
-            first = q_first + HALF * HALF_M
-            q_pos = first + gl.arange(0, HALF_M, layout=row_layout)
+            bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, CONSUMERS * WG_M, BLOCK_N,
+                                                      CAUSAL)
+            first = q_first + WG * WG_M
+            q_pos = first + gl.arange(0, WG_M, layout=row_layout)
             scale = qk_scale
             if FP8:
                 kv_scales = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * kv_blocks   # this KV head's first
-                scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + row0 // (2 * HALF_M))
+                scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + row0 // (2 * WG_M))
                 v_unit = gl.load(v_scale_ptr + kv_scales)
-            m = gl.full([HALF_M], -float("inf"), gl.float32, row_layout)
-            l = gl.zeros([HALF_M], gl.float32, row_layout)
+            m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
+            l = gl.zeros([WG_M], gl.float32, row_layout)
 
             slot = t % STAGES
             mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
-            _take_turn(turns, k, HALF, PINGPONG)
-            s_tok = warpgroup_mma(q_half, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _give_turn(turns, HALF, PINGPONG)
+            _take_turn(turns, k, WG, PINGPONG)
+            s_tok = warpgroup_mma(q_wg, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            _give_turn(turns, WG, PINGPONG, CONSUMERS)
             k += 1
-            s = warpgroup_mma_wait(0, deps=[s_tok, q_half, k_smem.index(slot)])[0]
+            s = warpgroup_mma_wait(0, deps=[s_tok, q_wg, k_smem.index(slot)])[0]
             mbarrier.arrive(k_empty.index(slot), count=1)
             tile_scale = scale
             if FP8:
                 tile_scale = scale * gl.load(k_scale_ptr + kv_scales)
             p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, tile_scale, CAUSAL, BLOCK_N, s_layout,
                                              P_SHIFT)
-            acc = warpgroup_mma_init(gl.zeros([HALF_M, D], gl.float32, o_layout))
+            acc = warpgroup_mma_init(gl.zeros([WG_M, D], gl.float32, o_layout))
             for j in range(1, n_tiles):
                 cur = (t + j) % STAGES
                 prev = (t + j - 1) % STAGES
                 mbarrier.wait(k_full.index(cur), ((t + j) // STAGES) & 1)
                 mbarrier.wait(v_full.index(prev), ((t + j - 1) // STAGES) & 1)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                _take_turn(turns, k, HALF, PINGPONG)
-                s_tok = warpgroup_mma(q_half, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                _take_turn(turns, k, WG, PINGPONG)
+                s_tok = warpgroup_mma(q_wg, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 if FP8:   # the second operand K-major, as 8-bit wgmma asks: Vᵀ's tile seen as [BLOCK_N, D]
                     acc = warpgroup_mma(p_op, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
                 else:
                     acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
-                _give_turn(turns, HALF, PINGPONG)
+                _give_turn(turns, WG, PINGPONG, CONSUMERS)
                 k += 1
                 # S_j done; P_{j-1} V_{j-1} may still run during the softmax
-                s = warpgroup_mma_wait(1, deps=[s_tok, q_half, k_smem.index(cur)])[0]
+                s = warpgroup_mma_wait(1, deps=[s_tok, q_wg, k_smem.index(cur)])[0]
                 mbarrier.arrive(k_empty.index(cur), count=1)
                 tile_scale = scale
                 if FP8:
@@ -235,12 +240,12 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             last = (t + n_tiles - 1) % STAGES
             mbarrier.wait(v_full.index(last), ((t + n_tiles - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            _take_turn(turns, k, HALF, PINGPONG)
+            _take_turn(turns, k, WG, PINGPONG)
             if FP8:
                 acc = warpgroup_mma(p_op, v_smem.index(last).permute((1, 0)), acc, is_async=True)
             else:
                 acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            _give_turn(turns, HALF, PINGPONG)
+            _give_turn(turns, WG, PINGPONG, CONSUMERS)
             k += 1
             acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(last)])[0]
             mbarrier.arrive(v_empty.index(last), count=1)
@@ -252,11 +257,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 l_out = l / v_unit
             l_o = gl.convert_layout(l_out, gl.SliceLayout(1, o_layout))
             out = (acc / l_o[:, None]).to(o_ptr.dtype.element_ty)
-            rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+            rows = row0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             gl.store(o_ptr + (bh * T + rows)[:, None] * D + cols[None, :], out, mask=(rows < T)[:, None])
             if STORE_LSE:  # m is in the log2 domain: ln(sum exp(s)) = (m + log2(l)) · ln(2); every row sees a key
-                lse_rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+                lse_rows = row0 + WG * WG_M + gl.arange(0, WG_M, layout=row_layout)
                 if P_SHIFT:   # l carries 2^P_SHIFT
                     gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l) - P_SHIFT) * 0.6931471805599453,
                              mask=lse_rows < T)
@@ -287,14 +292,15 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         STORE_LSE: gl.constexpr = False,
         FP8: gl.constexpr = False,               # step 6: q, k in e4m3, v_desc over Vᵀ [B*Hkv*D, S16] in e4m3
         P_SHIFT: gl.constexpr = 0,               # FP8: P computed as 2^P_SHIFT · P
+        CONSUMERS: gl.constexpr = 2,             # consumer warpgroups, WG_M query rows each (3: D = 64, not FP8)
     ):
-        HALF_M: gl.constexpr = 64
-        BLOCK_M: gl.constexpr = 2 * HALF_M
+        WG_M: gl.constexpr = 64
+        BLOCK_M: gl.constexpr = CONSUMERS * WG_M
         dtype: gl.constexpr = q_desc.dtype
         n_m = gl.cdiv(T, BLOCK_M)
         n_items = n_m * B_HQ
 
-        q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, WG_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         if FP8:
             v_smem = gl.allocate_shared_memory(dtype, [STAGES, D, BLOCK_N], v_desc.layout)   # Vᵀ's tiles
@@ -306,32 +312,51 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         mbarrier.init(q_bar, count=1)
-        mbarrier.init(q_empty, count=2)
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
+        mbarrier.init(q_empty, count=CONSUMERS)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.init(turns.index(c), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_full.index(i), count=1)
             mbarrier.init(v_full.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)     # both consumers release a slot
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)     # every consumer releases a slot
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                               item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                               query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
-                               0, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT)),
-            (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                               item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                               query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
-                               1, HALF_M, BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT)),
-            (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                            v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
-                            HALF_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8)),
-        ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 0, WG_M, BLOCK_N, D,
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 1, WG_M, BLOCK_N, D,
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+                                k_empty, v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
+                                WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS)),
+            ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
+        else:   # three: 160 registers each for consumers 1 and 2, 168 are left to consumer 0
+            gl.warp_specialize([
+                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 0, WG_M, BLOCK_N, D,
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 1, WG_M, BLOCK_N, D,
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 2, WG_M, BLOCK_N, D,
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
+                                k_empty, v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
+                                WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS)),
+            ], [4, 4, 1], [160, 160, 24])
 
 
 def hopper_schedule(t, causal):
@@ -340,6 +365,13 @@ def hopper_schedule(t, causal):
     without a mask up to T = 2k. At causal T = 4k and at T = 1k without a mask the runs disagreed, within
     their noise."""
     return (not causal or t <= 4096), (not causal and t <= 2048)
+
+
+def hopper_consumers(t, d, causal):
+    """Consumer warpgroups for hopper_attention: three (192 query rows an item) where they were measured faster
+    than two (python -m flashcourse.bench.fast --consumers): causal, D = 64, T >= 4k. Without a mask the third
+    consumer's 160 registers spill; at short T its longer items leave multiprocessors idle at the grid's end."""
+    return 3 if causal and d == 64 and t >= 4096 else 2
 
 
 def _hopper_refusal(q, k, causal, query_offset):
@@ -358,10 +390,12 @@ def _hopper_refusal(q, k, causal, query_offset):
     return None
 
 
-def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, fallback=True):
+def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, consumers=None,
+                     fallback=True):
     """FlashAttention-3's forward schedule on a Hopper GPU, written in Gluon: a producer warp loads Q, K and
-    V by TMA; two consumer warpgroups take 64 query rows each. q [B, Hq, T, D], k and v [B, Hkv, S, D],
-    bf16 or fp16, D 64 or 128, any T and S. Returns o [B, Hq, T, D].
+    V by TMA; two consumer warpgroups (three at D = 64, where hopper_consumers chooses them) take 64 query rows
+    each. q [B, Hq, T, D], k and v [B, Hkv, S, D], bf16 or fp16, D 64 or 128, any T and S. Returns
+    o [B, Hq, T, D]. persistent, pingpong and consumers left None are hopper_schedule's and hopper_consumers'.
 
     Where the schedule does not apply (another dtype, D or T, a query before key 0, no Gluon, not a Hopper GPU)
     it returns step 7's `attention` for the same inputs, which takes any head dimension, so a caller need not
@@ -373,10 +407,11 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
         from flashcourse.engine.any_input import attention  # which imports this module
 
         return attention(q, k, v, causal=causal, query_offset=query_offset)
-    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_lse=False)[0]
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, store_lse=False)[0]
 
 
-def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, fallback=True):
+def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, consumers=None,
+                         fallback=True):
     """(o, lse): hopper_attention's o and each row's log-sum-exp [B, Hq, T] in FP32 (natural log), as 05's
     fast_attention_lse returns them, for any T. Where the schedule does not apply, step 7's
     `attention_lse`."""
@@ -387,10 +422,10 @@ def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=Non
         from flashcourse.engine.any_input import attention_lse  # which imports this module
 
         return attention_lse(q, k, v, causal=causal, query_offset=query_offset)
-    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_lse=True)
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, store_lse=True)
 
 
-def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_lse):
+def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, store_lse):
     """(o, lse or None): hopper_fwd_kernel on inputs its schedule takes."""
     _check_inputs(q, k, v)
     B, Hq, T, D = q.shape
@@ -399,6 +434,10 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_ls
     default_persistent, default_pingpong = hopper_schedule(T, causal)
     persistent = default_persistent if persistent is None else persistent
     pingpong = default_pingpong if pingpong is None else pingpong
+    consumers = hopper_consumers(T, D, causal) if consumers is None else consumers
+    if consumers not in (2, 3) or (consumers == 3 and D != 64):
+        raise ValueError(f"hopper_attention runs 2 consumer warpgroups, or 3 at D = 64 (at D = 128 three would "
+                         f"spill their accumulators); got consumers={consumers}, D = {D}")
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
@@ -411,11 +450,11 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, store_ls
     q_desc = GluonDescriptor.from_tensor(q.view(B * Hq * T, D), [HOPPER_BLOCK_M // 2, D], q_layout)
     k_desc = GluonDescriptor.from_tensor(k.view(B * Hkv * S, D), [HOPPER_BLOCK_N, D], kv_layout)
     v_desc = GluonDescriptor.from_tensor(v.view(B * Hkv * S, D), [HOPPER_BLOCK_N, D], kv_layout)
-    items = triton.cdiv(T, HOPPER_BLOCK_M) * B * Hq
+    items = triton.cdiv(T, HOPPER_BLOCK_M // 2 * consumers) * B * Hq
     programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
     queue = torch.zeros(1, dtype=torch.int32, device=q.device)
     hopper_fwd_kernel[(programs,)](
         q_desc, k_desc, v_desc, o, o if lse is None else lse, o, o, o, queue, T, S, Hq, Hkv, B * Hq, query_offset,
         0, 0, LOG2E / math.sqrt(D), D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
-        PERSISTENT=persistent, STORE_LSE=store_lse, num_warps=4)
+        PERSISTENT=persistent, STORE_LSE=store_lse, CONSUMERS=consumers, num_warps=4)
     return o, lse
