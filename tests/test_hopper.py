@@ -304,9 +304,11 @@ def test_hopper_attention_falls_back_to_fast_attention():
 def test_hopper_schedule_follows_the_measured_rule():
     """Persistent causal up to T = 4k and always without a mask; the ping-pong without a mask up to T = 2k; three
     consumers causal at D = 64 from T = 4k."""
-    from flashcourse.engine.hopper import hopper_consumers, hopper_schedule
+    from flashcourse.engine.hopper import hopper_consumers, hopper_overlap, hopper_schedule
 
     assert [hopper_consumers(t, 64, True) for t in (1024, 2048, 4096, 16384)] == [2, 2, 3, 3]
+    assert [hopper_overlap(t, 128, True) for t in (1024, 2048, 4096, 16384)] == [True, True, False, False]
+    assert not hopper_overlap(1024, 128, False)
     assert hopper_consumers(16384, 128, True) == hopper_consumers(16384, 64, False) == 2
 
     assert hopper_schedule(1024, True) == (True, False)
@@ -330,27 +332,31 @@ def test_hopper_report():
                         "1.0e-03 | 2.0e-03 | 100.0 | 101.0 | 102.0 | 103.0 |")
 
 
-def test_consumers_report():
-    """--consumers' table: one row per shape, three over two and each over cuDNN from its columns."""
-    from flashcourse.bench.fast import CONSUMERS_NAMES, consumers_report
+@pytest.mark.parametrize("choice", ["consumers", "overlap"])
+def test_choice_report(choice):
+    """--consumers' and --overlap's table: one row per shape, the second setting over the first and each over
+    cuDNN from its columns."""
+    from flashcourse.bench.fast import HOPPER_CHOICES, choice_report
 
+    first, second = HOPPER_CHOICES[choice][1]
     row = {"dtype": "bf16", "causal": True, "d": 64, "q_heads": 32, "kv_heads": 8, "t": 4096, "batch": 8,
-           "SDPA cuDNN": 400.0, "SDPA flash": 300.0, "hopper_attention": 420.0, "2 consumers": 390.0,
-           "3 consumers": 420.0, "identical": False}
-    table = [line for line in consumers_report({"environment": "a test", "consumers": [row]}).splitlines()
+           "SDPA cuDNN": 400.0, "SDPA flash": 300.0, "hopper_attention": 420.0, first: 390.0, second: 420.0,
+           "identical": False}
+    table = [line for line in choice_report({"environment": "a test", choice: [row]}, choice).splitlines()
              if line.startswith("|")]
-    assert len(table) == 3 and len({line.count("|") for line in table}) == 1 and len(CONSUMERS_NAMES) == 5
-    assert table[2] == ("| yes | 32/8 | 4096 | 8 | 400.0 | 300.0 | 420.0 | 390.0 | 420.0 | 1.077 | 0.975 | 1.050 | "
-                        "1.050 | no |")
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1
+    assert table[0].count(first) == 3 and table[0].count(second) == 3   # its column, the ratio and over cuDNN
+    assert table[2] == ("| bf16 | yes | 64 | 32/8 | 4096 | 8 | 400.0 | 300.0 | 420.0 | 390.0 | 420.0 | 1.077 | "
+                        "0.975 | 1.050 | 1.050 | no |")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
 def test_hopper_bench_refuses_a_cpu(capsys):
-    """--hopper and --consumers measure nothing without a GPU and say so."""
+    """--hopper, --consumers and --overlap measure nothing without a GPU and say so."""
     from flashcourse.bench import GPU_NEEDED
     from flashcourse.bench.fast import main
 
-    for mode in ("--hopper", "--consumers"):
+    for mode in ("--hopper", "--consumers", "--overlap"):
         assert main([mode]) == 1
         assert GPU_NEEDED in capsys.readouterr().out
 
@@ -409,7 +415,7 @@ def descriptor(x, block, dtype):
     return fk.GluonDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-for d, causal, pingpong, persistent, store_lse, fp8, consumers in json.loads(sys.argv[1]):
+for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap in json.loads(sys.argv[1]):
     torch_dtype, dtype = (torch.float8_e4m3fn, gl.float8e4nv) if fp8 else (torch.bfloat16, gl.bfloat16)
     q_desc = descriptor(torch.empty(512, d, dtype=torch_dtype), [64, d], dtype)
     k_desc = descriptor(torch.empty(256, d, dtype=torch_dtype), [fk.HOPPER_BLOCK_N, d], dtype)
@@ -420,7 +426,7 @@ for d, causal, pingpong, persistent, store_lse, fp8, consumers in json.loads(sys
         scales, scales, torch.zeros(1, dtype=torch.int32), 256, 256, 2, 1, 2, 0, 2, 2, 0.1, D=d,
         BLOCK_N=fk.HOPPER_BLOCK_N, STAGES=3 if fp8 else fk.HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
         PERSISTENT=persistent, STORE_LSE=store_lse, FP8=fp8, P_SHIFT=8 if fp8 else 0, CONSUMERS=consumers,
-        num_warps=4, grid=(1,))
+        OVERLAP=overlap, num_warps=4, grid=(1,))
     ptx = compiled.asm["ptx"]
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
                     "e4m3": ptx.count(".e4m3.e4m3"), "shared": compiled.metadata.shared,
@@ -434,16 +440,17 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """hopper_fwd_kernel compiles to an sm_90 binary with this machine's Triton and no GPU (a stand-in driver names
     the target, Triton's own ptxas assembles it, in a fresh cache): a Gluon name that moved, as the TMA load did in
     Triton 3.9, fails here before it fails on a Hopper. Each binary holds wgmma (on e4m3 tiles where FP8, and only
-    there), fits in shared memory and gives its consumers 232 registers, or 160 when there are three."""
+    there), fits in shared memory and gives its consumers 232 registers, or 160 when there are three; with
+    the overlap across items too."""
     import json
     import os
     import subprocess
     import sys
 
-    configs = [(128, True, True, True, False, False, 2), (64, False, False, False, True, False, 2),
-               (128, False, True, False, True, False, 2), (128, True, False, True, False, True, 2),
-               (64, False, True, False, True, True, 2), (64, True, True, True, False, False, 3),
-               (64, True, False, False, True, False, 3)]
+    configs = [(128, True, True, True, False, False, 2, False), (64, False, False, False, True, False, 2, False),
+               (128, False, True, False, True, False, 2, True), (128, True, False, True, False, True, 2, False),
+               (64, False, True, False, True, True, 2, True), (64, True, True, True, False, False, 3, False),
+               (64, True, False, False, True, False, 3, True), (128, True, True, True, True, False, 2, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(configs)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -456,7 +463,7 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         assert result["cubin"] > 0 and result["wgmma"] >= 4, (config, result)
         assert (result["e4m3"] == result["wgmma"]) if config[5] else not result["e4m3"], (config, result)
         assert result["shared"] <= 227 * 1024, (config, result)
-        consumer_registers, other = (160, 232) if config[-1] == 3 else (232, 160)
+        consumer_registers, other = (160, 232) if config[6] == 3 else (232, 160)
         assert consumer_registers in result["registers"] and other not in result["registers"], (config, result)
 
 

@@ -117,6 +117,35 @@ def test_hopper_attention_three_consumers(persistent, pingpong, batch, q_heads, 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
                     reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("persistent, pingpong", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
+    (2, 8, 2, 1024, 1024, 128, True),      # GQA 4, several items per program when persistent
+    (1, 8, 8, 384, 1000, 64, True),        # queries at the end of a longer cache; S not a multiple of a tile
+    (2, 4, 2, 256, 777, 128, False),       # not causal, the last tile runs into the next head's keys
+    (3, 40, 8, 1280, 1280, 128, True),     # 1200 items: more than one wave
+    (1, 4, 2, 200, 200, 128, True),        # T not a multiple of 128
+    (2, 4, 4, 1, 333, 64, False),          # one query, as in decoding
+    (1, 8, 2, 1000, 1100, 64, True),       # neither T nor S a multiple of 128, queries after 100 keys
+])
+def test_hopper_attention_overlap(persistent, pingpong, batch, q_heads, kv_heads, t, s, d, causal):
+    """The overlap across items (the next item's first S beside this one's last P V) gives one item at a time's
+    o and lse bit for bit, with two consumers and, at D = 64, three: a product read from the wrong Q buffer or
+    V tile, or an item's output written with the next item's m and l, differs."""
+    from flashcourse.bench.fast import _inputs
+
+    q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16, seed=t + s)
+    for consumers in (2, 3) if d == 64 else (2,):
+        schedule = dict(causal=causal, persistent=persistent, pingpong=pingpong, consumers=consumers,
+                        fallback=False)
+        o, lse = hopper_attention_lse(q, k, v, overlap=False, **schedule)
+        o_overlap, lse_overlap = hopper_attention_lse(q, k, v, overlap=True, **schedule)
+        assert torch.equal(o_overlap, o), (consumers, float((o_overlap.float() - o.float()).abs().max()))
+        assert torch.equal(lse_overlap, lse), (consumers, float((lse_overlap - lse).abs().max()))
+        assert torch.equal(hopper_attention(q, k, v, overlap=True, **schedule), o)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
 def test_hopper_attention_refuses_three_consumers_at_d128():
     """At D = 128 three consumers would spill their accumulators: refused, with the reason."""
     from flashcourse.bench.fast import _inputs

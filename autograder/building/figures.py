@@ -41,6 +41,7 @@ LAST_GAP_2 = "flashcourse/bench/measured/fast_last_gap_2.json"        # 05's giv
 HOPPER = "flashcourse/bench/measured/fast_hopper.json"              # 08: hopper_attention (Gluon) on the prefill grid
 HOPPER_REPORT = "benchmarks/results/2026-12-01-h200-hopper-gluon.md"  # 08: the same run, and the versions before it
 CONSUMERS = "benchmarks/results/2026-12-05-h100-hopper-consumers.json"  # 08: two consumer warpgroups or three, D = 64
+OVERLAP = "benchmarks/results/2026-12-05-h100-hopper-overlap.json"      # 08: items one at a time or overlapped
 FUSED = "flashcourse/bench/measured/fast_decode_fused.json"        # 05's given steps: decode in one launch against two
 TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GPT from three seeds, three attentions
 BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the backward kernels against SDPA (bench_backward)
@@ -234,6 +235,23 @@ def _three_over_two(data, causal: bool = True, t_at_least: int = 0, t_at_most: f
     """Three consumer warpgroups' TFLOP/s over two's, at --consumers' rows of that mask and range of T."""
     return [r["3 consumers"] / r["2 consumers"] for r in data["consumers"]
             if r["causal"] == causal and t_at_least <= r["t"] <= t_at_most]
+
+
+def _overlap_gain(data, **where) -> list[float]:
+    """The overlap's TFLOP/s over one item at a time's, at --overlap's rows whose fields match `where` (t_at_most
+    bounds T)."""
+    t_at_most = where.pop("t_at_most", math.inf)
+    return [r["overlap"] / r["one item at a time"] for r in data["overlap"]
+            if r["t"] <= t_at_most and all(r[key] == value for key, value in where.items())]
+
+
+def _overlap_repeats(data) -> list[float]:
+    """hopper_attention over the column of the same setting, timed just after it, at every --overlap row."""
+    from flashcourse.engine.hopper import hopper_consumers, hopper_overlap
+
+    same = {True: "overlap", False: "one item at a time"}
+    return [r["hopper_attention"] / r[same[hopper_overlap(r["t"], r["d"], r["causal"])]]
+            for r in data["overlap"] if hopper_consumers(r["t"], r["d"], r["causal"]) == 2]
 
 
 def _consumers_row(data, t: int) -> dict:
@@ -487,6 +505,15 @@ FIGURES: dict[str, Figure] = {
     "hopper.c3.cudnn_causal_16k": Figure(CONSUMERS, lambda d: _consumers_row(d, 16384)["SDPA cuDNN"]),
     "hopper.c3.identical": Figure(CONSUMERS, lambda d: sum(r["identical"] for r in d["consumers"])),
     "hopper.c3.rows": Figure(CONSUMERS, lambda d: len(d["consumers"])),
+    "hopper.overlap.short_min": Figure(OVERLAP, lambda d: min(_overlap_gain(d, causal=True, t_at_most=2048)), 2),
+    "hopper.overlap.short_max": Figure(OVERLAP, lambda d: max(_overlap_gain(d, causal=True, t_at_most=2048)), 2),
+    "hopper.overlap.short_mha_min": Figure(OVERLAP, lambda d: min(_overlap_gain(d, causal=True, t_at_most=2048,
+                                                                                dtype="bf16", kv_heads=32)), 2),
+    "hopper.overlap.causal_16k": Figure(OVERLAP, lambda d: _overlap_gain(d, causal=True, t=16384)[0], 2),
+    "hopper.overlap.three_consumers_4k": Figure(OVERLAP, lambda d: _overlap_gain(d, causal=True, d=64, t=4096)[0], 2),
+    "hopper.overlap.repeat_worst_pct": Figure(OVERLAP, lambda d: 100 * max(abs(x - 1) for x in _overlap_repeats(d))),
+    "hopper.overlap.identical": Figure(OVERLAP, lambda d: sum(r["identical"] for r in d["overlap"])),
+    "hopper.overlap.rows": Figure(OVERLAP, lambda d: len(d["overlap"])),
     # 08, step 5: the versions before hopper_attention, bf16 causal D = 128 T = 16k unless named (each its own run)
     **_version_figures(1, causal_16k=(CAUSAL_16K, 0), cudnn_16k=(CUDNN, 0), fast_16k=(FAST_SAME_RUN, 0)),
     **_version_figures(2, causal_16k_2_stages=(CAUSAL_16K, 0), causal_16k_3_stages=(CAUSAL_16K, 2),

@@ -1045,47 +1045,64 @@ CONSUMERS_GRID = [  # (dtype, causal, D, Hq, Hkv, lengths): D = 64, where a thir
     ("bf16", False, 64, 32, 32, (1024, 4096, 16384)),
     ("bf16", True, 64, 32, 8, (4096, 16384)),
 ]
-CONSUMERS_NAMES = ["SDPA cuDNN", "SDPA flash", "hopper_attention", "2 consumers", "3 consumers"]
+OVERLAP_GRID = [  # the rows of PREFILL where items are short, and two long ones for the cost elsewhere
+    ("bf16", True, 128, 32, 32, (1024, 2048, 4096, 16384)),
+    ("bf16", False, 128, 32, 32, (1024, 4096)),
+    ("bf16", True, 64, 32, 32, (1024, 2048, 4096)),
+    ("bf16", False, 64, 32, 32, (1024,)),
+    ("bf16", True, 128, 32, 8, (1024, 4096)),
+    ("fp16", True, 128, 32, 32, (1024,)),
+]
+HOPPER_CHOICES = {  # --consumers, --overlap: hopper_attention's keyword, its two settings (column -> value), grid
+    "consumers": ("consumers", {"2 consumers": 2, "3 consumers": 3}, CONSUMERS_GRID),
+    "overlap": ("overlap", {"one item at a time": False, "overlap": True}, OVERLAP_GRID),
+}
 
 
-def prefill_consumers(grid=CONSUMERS_GRID, rows=None, done=lambda: None) -> list[dict]:
-    """hopper_attention at D = 64 with two consumer warpgroups and with three, each under hopper_schedule's
-    persistence and ping-pong, its own choice (hopper_consumers), and SDPA cuDNN and flash: TFLOP/s, the best of
-    two rounds; and whether three gave two's o bit for bit."""
+def prefill_choice(choice: str, rows=None, done=lambda: None) -> list[dict]:
+    """hopper_attention with each of HOPPER_CHOICES[choice]'s two settings (the rest of its schedule its own),
+    with its own choice, and SDPA cuDNN and flash: TFLOP/s, the best of two rounds; and whether the second
+    setting gave the first's o bit for bit."""
     from flashcourse.engine.hopper import hopper_attention
 
+    keyword, settings, grid = HOPPER_CHOICES[choice]
     rows = [] if rows is None else rows
     for row, q, k, v, flops, sdpa in _prefill_cases(grid):
         run = functools.partial(hopper_attention, q, k, v, causal=row["causal"], fallback=False)
-        impls = {**sdpa, "hopper_attention": run, "2 consumers": functools.partial(run, consumers=2),
-                 "3 consumers": functools.partial(run, consumers=3)}
+        impls = {**sdpa, "hopper_attention": run,
+                 **{name: functools.partial(run, **{keyword: value}) for name, value in settings.items()}}
         _time_row(row, impls, flops, rounds=2)
-        row["identical"] = torch.equal(run(consumers=3), run(consumers=2))
+        first, second = (impls[name]() for name in settings)
+        row["identical"] = torch.equal(first, second)
         rows.append(row)
         done()
-        _print_row(row, impls, f", three = two bit for bit: {row['identical']}")
+        _print_row(row, impls, f", the two settings bit for bit: {row['identical']}")
     return rows
 
 
-def consumers_report(result: dict) -> str:
-    """--consumers' table as markdown."""
+def choice_report(result: dict, choice: str) -> str:
+    """--consumers' or --overlap's table as markdown."""
+    keyword, settings, _ = HOPPER_CHOICES[choice]
+    a, b = settings
+    names = ["SDPA cuDNN", "SDPA flash", "hopper_attention", a, b]
+    title = {"consumers": "hopper_attention at D = 64: two consumer warpgroups or three",
+             "overlap": "hopper_attention: one item at a time, or the next item's first S beside this one's last P V"}
     lines = report_opening(
-        "# hopper_attention at D = 64: two consumer warpgroups or three", result["environment"],
+        f"# {title[choice]}", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"two rounds. bf16, D = 64, Hq = 32, T = S, B x T = {TOKENS}; TFLOP/s = 2 B Hq T^2 D / time causal, "
-        "4 B Hq T^2 D not causal. '2 consumers' and '3 consumers' force the number of consumer warpgroups (128 or "
-        "192 query rows an item), each with hopper_schedule's persistence and ping-pong; hopper_attention is "
-        "hopper_consumers' choice. 'identical': three gave two's o bit for bit.")
-    lines += ["| causal | Hq/Hkv | T | B | " + " | ".join(CONSUMERS_NAMES) +
-              " | 3 / 2 | 2 / cuDNN | 3 / cuDNN | hopper / cuDNN | identical |",
-              "|---" * (4 + len(CONSUMERS_NAMES) + 5) + "|"]
-    for r in result["consumers"]:
+        f"two rounds. T = S, B x T = {TOKENS}; TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. "
+        f"'{a}' and '{b}' force hopper_attention's {keyword}= to {settings[a]} and {settings[b]}, the rest of the "
+        f"schedule its own; hopper_attention is all its own choice. 'identical': '{b}' gave '{a}''s o bit for bit.")
+    lines += ["| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(names) +
+              f" | {b} / {a} | {a} / cuDNN | {b} / cuDNN | hopper / cuDNN | identical |",
+              "|---" * (6 + len(names) + 5) + "|"]
+    for r in result[choice]:
         cudnn = r["SDPA cuDNN"]
-        lines.append(f"| {'yes' if r['causal'] else 'no'} | {r['q_heads']}/{r['kv_heads']} | {r['t']} | {r['batch']} | "
-                     + " | ".join(f"{r[n]:.1f}" for n in CONSUMERS_NAMES) +
-                     f" | {r['3 consumers'] / r['2 consumers']:.3f} | {r['2 consumers'] / cudnn:.3f} | "
-                     f"{r['3 consumers'] / cudnn:.3f} | {r['hopper_attention'] / cudnn:.3f} | "
-                     f"{'yes' if r['identical'] else 'no'} |")
+        lines.append(f"| {r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['d']} | "
+                     f"{r['q_heads']}/{r['kv_heads']} | {r['t']} | {r['batch']} | "
+                     + " | ".join(f"{r[n]:.1f}" for n in names) +
+                     f" | {r[b] / r[a]:.3f} | {r[a] / cudnn:.3f} | {r[b] / cudnn:.3f} | "
+                     f"{r['hopper_attention'] / cudnn:.3f} | {'yes' if r['identical'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -1217,6 +1234,8 @@ def main(argv=None) -> int:
                         "FlashAttention-3's schedule) and each of its schedules, in one process (--out, --json)")
     parser.add_argument("--consumers", action="store_true", help="hopper_attention at D = 64 with two consumer "
                         "warpgroups and with three, beside SDPA, in one process (--out, --json)")
+    parser.add_argument("--overlap", action="store_true", help="hopper_attention one item at a time and with the "
+                        "overlap across items, beside SDPA, in one process (--out, --json)")
     parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
@@ -1231,7 +1250,8 @@ def main(argv=None) -> int:
         show_report(last_gap_2_report(result, trials), args.out)
         return 0
     measures_on_gpu = (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2
-                       or args.hopper or args.decode_fused or args.hopper_lse or args.fp8_prepare or args.consumers)
+                       or args.hopper or args.decode_fused or args.hopper_lse or args.fp8_prepare or args.consumers
+                       or args.overlap)
     if measures_on_gpu and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
@@ -1246,8 +1266,10 @@ def main(argv=None) -> int:
         return last_gap_2_main(args)
     if args.hopper:
         return _measure_main(args, "prefill", prefill_hopper, hopper_report)
-    if args.consumers:
-        return _measure_main(args, "consumers", prefill_consumers, consumers_report)
+    for choice in HOPPER_CHOICES:
+        if getattr(args, choice):
+            return _measure_main(args, choice, functools.partial(prefill_choice, choice),
+                                 functools.partial(choice_report, choice=choice))
     if args.hopper_lse:
         save_json({"environment": environment(), "prefill": prefill_lse_forwards()}, args.json)
         return 0

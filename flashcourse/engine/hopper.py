@@ -59,20 +59,41 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         return item
 
 
+    @gluon.jit
+    def _hopper_put_item(item_0, item_1, b, item):
+        # The producer's word to the consumers: the item whose Q is in buffer b (n_items: none is left)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        if b == 0:
+            item_0.store(gl.full([1], item, gl.int32, layout))
+        else:
+            item_1.store(gl.full([1], item, gl.int32, layout))
+
+
+    @gluon.jit
+    def _hopper_get_item(item_0, item_1, b):
+        # A consumer reads the item of Q buffer b, once that buffer's q_bar has completed
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        if b == 0:
+            item = gl.max(item_0.load(layout), axis=0)
+        else:
+            item = gl.max(item_1.load(layout), axis=0)
+        return item
+
+
 if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _hopper_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty,
-                     v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
+                     v_empty, item_0, item_1, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
                      WG_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-                     CONSUMERS: gl.constexpr):
+                     CONSUMERS: gl.constexpr, Q_BUFFERS: gl.constexpr):
         # The producer warp: for each of its items, the item's number for the consumers, Q's CONSUMERS blocks of
         # WG_M rows, then K and V tiles into rings of STAGES slots. A slot (and Q) is refilled once every
-        # consumer has arrived on its empty barrier. n_items for an item means that none is left. V_TRANSPOSED (step 6's FP8): v_desc is
-        # over Vᵀ [B*Hkv*D, S16], whose tile is the D rows of the KV head and BLOCK_N keys.
+        # consumer has arrived on its empty barrier. n_items for an item means that none is left. Q has Q_BUFFERS
+        # buffers (2 for the overlap across items), which items take in turn. V_TRANSPOSED (step 6's FP8): v_desc
+        # is over Vᵀ [B*Hkv*D, S16], whose tile is the D rows of the KV head and BLOCK_N keys.
         dtype: gl.constexpr = q_desc.dtype
         tile_bytes: gl.constexpr = BLOCK_N * D * dtype.primitive_bitwidth // 8
-        item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         t = 0                                     # tiles loaded so far, over all items: the rings' position
         done = 0                                  # items loaded so far
         item = _hopper_next(queue_ptr, n_items, True, PERSISTENT)
@@ -81,11 +102,14 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                                                       CAUSAL)
             kv_index = (bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)     # the (batch, KV head) of the query head
             kv_row = kv_index * S
-            mbarrier.wait(q_empty, (done & 1) ^ 1)   # a fresh barrier's previous phase counts as complete
-            item_smem.store(gl.full([1], item, gl.int32, item_layout))   # visible once q_bar completes
-            mbarrier.expect(q_bar, CONSUMERS * WG_M * D * dtype.primitive_bitwidth // 8)
+            # This item's Q buffer b: a fresh barrier's previous phase counts as complete; the item's number is
+            # visible to the consumers once q_bar completes.
+            b = done % Q_BUFFERS
+            mbarrier.wait(q_empty.index(b), ((done // Q_BUFFERS) & 1) ^ 1)
+            _hopper_put_item(item_0, item_1, b, item)
+            mbarrier.expect(q_bar.index(b), CONSUMERS * WG_M * D * dtype.primitive_bitwidth // 8)
             for c in gl.static_range(CONSUMERS):
-                tma_load(q_desc, [bh * T + row0 + c * WG_M, 0], q_bar, q_smem.index(c))
+                tma_load(q_desc, [bh * T + row0 + c * WG_M, 0], q_bar.index(b), q_smem.index(CONSUMERS * b + c))
             for j in range(n_tiles):
                 slot = t % STAGES
                 free_phase = ((t // STAGES) & 1) ^ 1
@@ -101,9 +125,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 t += 1
             done += 1
             item = _hopper_next(queue_ptr, n_items, False, PERSISTENT)
-        mbarrier.wait(q_empty, (done & 1) ^ 1)
-        item_smem.store(gl.full([1], n_items, gl.int32, item_layout))
-        mbarrier.arrive(q_bar, count=1)
+        b = done % Q_BUFFERS
+        mbarrier.wait(q_empty.index(b), ((done // Q_BUFFERS) & 1) ^ 1)
+        _hopper_put_item(item_0, item_1, b, n_items)
+        mbarrier.arrive(q_bar.index(b), count=1)
 
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
@@ -148,19 +173,89 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
+    def _hopper_begin(item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks, kv_blocks,
+                      WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      FP8: gl.constexpr, CONSUMERS: gl.constexpr, row_layout: gl.constexpr):
+        # A consumer's view of an item: its (batch, head), first row, first query position, query positions, key
+        # tiles and the scale of its scores; under FP8 also its KV head's first scale and acc's first unit (the
+        # first V tile's scale).
+        bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, CONSUMERS * WG_M, BLOCK_N, CAUSAL)
+        first = q_first + WG * WG_M
+        q_pos = first + gl.arange(0, WG_M, layout=row_layout)
+        scale = qk_scale
+        kv_scales = bh * 0
+        v_unit = qk_scale * 0.0 + 1.0
+        if FP8:
+            kv_scales = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * kv_blocks   # this KV head's first
+            scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + row0 // 128)    # one scale per 128 rows
+            v_unit = gl.load(v_scale_ptr + kv_scales)
+        return bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit
+
+
+    @gluon.jit
+    def _hopper_first_tile(q_wg, k_smem, k_full, k_empty, turns, t, k, s_zero, m, l, q_pos, first, S, scale,
+                           k_scale_ptr, kv_scales, WG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                           BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
+                           CONSUMERS: gl.constexpr, s_layout: gl.constexpr):
+        # An item's first tile with nothing beside it: S_0 = Q K_0ᵀ (ring position t, burst k), then its softmax
+        slot = t % STAGES
+        mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
+        _take_turn(turns, k, WG, PINGPONG)
+        s_tok = warpgroup_mma(q_wg, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _give_turn(turns, WG, PINGPONG, CONSUMERS)
+        s = warpgroup_mma_wait(0, deps=[s_tok, q_wg, k_smem.index(slot)])[0]
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        if FP8:
+            scale = scale * gl.load(k_scale_ptr + kv_scales)
+        p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, scale, CAUSAL, BLOCK_N, s_layout, P_SHIFT)
+        return p, m, l
+
+
+    @gluon.jit
+    def _hopper_pv(p_op, v_smem, slot, acc, FP8: gl.constexpr):
+        # Issue acc += P V with V's tile in ring slot `slot`. Under FP8 the second operand is K-major, as 8-bit
+        # wgmma asks: Vᵀ's tile seen as [BLOCK_N, D]. The tile is taken here, in the branch that issues the
+        # product: one taken before an `if` and used inside it was read wrong (Triton 3.6).
+        if FP8:
+            acc = warpgroup_mma(p_op, v_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        return acc
+
+
+    @gluon.jit
+    def _hopper_store(acc, l, m, bh, rows0, o_ptr, lse_ptr, T, WG_M: gl.constexpr, o_layout: gl.constexpr,
+                      row_layout: gl.constexpr, STORE_LSE: gl.constexpr, P_SHIFT: gl.constexpr):
+        # An item's output rows: o = acc / l, and where asked lse = (m + log2(l)) · ln(2): m is in log2 units, l
+        # carries 2^P_SHIFT, every row sees a key
+        l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
+        out = (acc / l_o[:, None]).to(o_ptr.dtype.element_ty)
+        rows = rows0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_ptr + (bh * T + rows)[:, None] * acc.shape[1] + cols[None, :], out, mask=(rows < T)[:, None])
+        if STORE_LSE:
+            lse_rows = rows0 + gl.arange(0, WG_M, layout=row_layout)
+            gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l) - P_SHIFT) * 0.6931471805599453,
+                     mask=lse_rows < T)
+
+
+    @gluon.jit
     def _hopper_consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                        item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                        item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                         query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
                         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                         STORE_LSE: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
-                        CONSUMERS: gl.constexpr):
+                        CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr):
         # One consumer warpgroup: WG_M query rows of each item against its K/V tiles. Per tile j it issues
         # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
-        # tensor cores.
+        # tensor cores. OVERLAP does the same across items: the next item's first S goes with this item's last
+        # P V, and the next item's first softmax runs under it (its Q is in the other buffer); this item's output
+        # is written after. Without it an item's first S is issued alone, after the last item's output.
         # FP8 (step 6): Q, K and Vᵀ in e4m3, each block of 128 rows with its scale (q_blocks, kv_blocks per head):
         # S_j is scaled by Q's block's scale and K_j's, acc is kept in units of the last V tile's scale, and P and
         # l carry 2^P_SHIFT, as in _fp8_tile.
+        Q_BUFFERS: gl.constexpr = 2 if OVERLAP else 1
         dtype: gl.constexpr = q_smem.dtype
         mma_k: gl.constexpr = 256 // dtype.primitive_bitwidth            # a wgmma's depth: 16 in 16 bits, 32 in 8
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -170,40 +265,36 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                      k_width=32 // dtype.primitive_bitwidth)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        q_wg = q_smem.index(WG)
         s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
         t = 0                                     # tiles consumed so far, over all items
         k = 0                                     # bursts of matrix products issued so far (the ping-pong's turns)
-        done = 0
-        item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        mbarrier.wait(q_bar, 0)
-        item = gl.max(item_smem.load(item_layout), axis=0)
+        done = 0                                  # items finished so far: item `done` has Q buffer done % Q_BUFFERS
+        mbarrier.wait(q_bar.index(0), 0)
+        item = _hopper_get_item(item_0, item_1, 0)
+        bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit = _hopper_begin(
+            item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks, kv_blocks,
+            WG, WG_M, BLOCK_N, CAUSAL, FP8, CONSUMERS, row_layout)
+        m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
+        l = gl.zeros([WG_M], gl.float32, row_layout)
+        p = s_zero
+        if OVERLAP:
+            if item < n_items:   # the first item's first tile: nothing to pair it with
+                p, m, l = _hopper_first_tile(q_smem.index(WG), k_smem, k_full, k_empty, turns, t, k, s_zero, m, l,
+                                             q_pos, first, S, scale, k_scale_ptr, kv_scales, WG, STAGES, CAUSAL,
+                                             BLOCK_N, PINGPONG, FP8, P_SHIFT, CONSUMERS, s_layout)
+                k += 1
         while item < n_items:
-            bh, row0, q_first, n_tiles = _hopper_item(item, n_m, T, S, query_offset, CONSUMERS * WG_M, BLOCK_N,
-                                                      CAUSAL)
-            first = q_first + WG * WG_M
-            q_pos = first + gl.arange(0, WG_M, layout=row_layout)
-            scale = qk_scale
-            if FP8:
-                kv_scales = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * kv_blocks   # this KV head's first
-                scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + row0 // (2 * WG_M))
-                v_unit = gl.load(v_scale_ptr + kv_scales)
-            m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
-            l = gl.zeros([WG_M], gl.float32, row_layout)
-
-            slot = t % STAGES
-            mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
-            _take_turn(turns, k, WG, PINGPONG)
-            s_tok = warpgroup_mma(q_wg, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            _give_turn(turns, WG, PINGPONG, CONSUMERS)
-            k += 1
-            s = warpgroup_mma_wait(0, deps=[s_tok, q_wg, k_smem.index(slot)])[0]
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            tile_scale = scale
-            if FP8:
-                tile_scale = scale * gl.load(k_scale_ptr + kv_scales)
-            p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, tile_scale, CAUSAL, BLOCK_N, s_layout,
-                                             P_SHIFT)
+            if not OVERLAP:
+                bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit = _hopper_begin(
+                    item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks, kv_blocks,
+                    WG, WG_M, BLOCK_N, CAUSAL, FP8, CONSUMERS, row_layout)
+                m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
+                l = gl.zeros([WG_M], gl.float32, row_layout)
+                p, m, l = _hopper_first_tile(q_smem.index(WG), k_smem, k_full, k_empty, turns, t, k, s_zero, m, l,
+                                             q_pos, first, S, scale, k_scale_ptr, kv_scales, WG, STAGES, CAUSAL,
+                                             BLOCK_N, PINGPONG, FP8, P_SHIFT, CONSUMERS, s_layout)
+                k += 1
+            q_wg = q_smem.index(CONSUMERS * (done % Q_BUFFERS) + WG)
             acc = warpgroup_mma_init(gl.zeros([WG_M, D], gl.float32, o_layout))
             for j in range(1, n_tiles):
                 cur = (t + j) % STAGES
@@ -213,10 +304,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 _take_turn(turns, k, WG, PINGPONG)
                 s_tok = warpgroup_mma(q_wg, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                if FP8:   # the second operand K-major, as 8-bit wgmma asks: Vᵀ's tile seen as [BLOCK_N, D]
-                    acc = warpgroup_mma(p_op, v_smem.index(prev).permute((1, 0)), acc, is_async=True)
-                else:
-                    acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+                acc = _hopper_pv(p_op, v_smem, prev, acc, FP8)
                 _give_turn(turns, WG, PINGPONG, CONSUMERS)
                 k += 1
                 # S_j done; P_{j-1} V_{j-1} may still run during the softmax
@@ -235,40 +323,63 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                     v_unit = v_scale
                 alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
                 acc = warpgroup_mma_init(acc * alpha_o[:, None])
-            mbarrier.arrive(q_empty, count=1)     # every S of this item is done: Q's buffer may take the next item's
+            # every S of this item is done: its Q buffer may take a later item's
+            mbarrier.arrive(q_empty.index(done % Q_BUFFERS), count=1)
 
             last = (t + n_tiles - 1) % STAGES
             mbarrier.wait(v_full.index(last), ((t + n_tiles - 1) // STAGES) & 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            _take_turn(turns, k, WG, PINGPONG)
-            if FP8:
-                acc = warpgroup_mma(p_op, v_smem.index(last).permute((1, 0)), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            _give_turn(turns, WG, PINGPONG, CONSUMERS)
-            k += 1
-            acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(last)])[0]
-            mbarrier.arrive(v_empty.index(last), count=1)
             t += n_tiles
             done += 1
-
-            l_out = l
+            l_out = l                             # this item's results, before the next item's replace them
             if FP8:
                 l_out = l / v_unit
-            l_o = gl.convert_layout(l_out, gl.SliceLayout(1, o_layout))
-            out = (acc / l_o[:, None]).to(o_ptr.dtype.element_ty)
-            rows = row0 + WG * WG_M + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
-            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-            gl.store(o_ptr + (bh * T + rows)[:, None] * D + cols[None, :], out, mask=(rows < T)[:, None])
-            if STORE_LSE:  # m is in the log2 domain: ln(sum exp(s)) = (m + log2(l)) · ln(2); every row sees a key
-                lse_rows = row0 + WG * WG_M + gl.arange(0, WG_M, layout=row_layout)
-                if P_SHIFT:   # l carries 2^P_SHIFT
-                    gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l) - P_SHIFT) * 0.6931471805599453,
-                             mask=lse_rows < T)
+            m_out = m
+            bh_out = bh
+            rows_out = row0 + WG * WG_M
+            if OVERLAP:
+                nb = done % 2
+                mbarrier.wait(q_bar.index(nb), (done // 2) & 1)
+                item = _hopper_get_item(item_0, item_1, nb)
+                if item < n_items:   # the next item's first S beside this item's last P V, its softmax under it
+                    bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit = _hopper_begin(
+                        item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks,
+                        kv_blocks, WG, WG_M, BLOCK_N, CAUSAL, FP8, CONSUMERS, row_layout)
+                    slot = t % STAGES
+                    q_next = q_smem.index(CONSUMERS * nb + WG)
+                    mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
+                    _take_turn(turns, k, WG, PINGPONG)
+                    s_tok = warpgroup_mma(q_next, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                          is_async=True)
+                    acc = _hopper_pv(p_op, v_smem, last, acc, FP8)
+                    _give_turn(turns, WG, PINGPONG, CONSUMERS)
+                    k += 1
+                    s = warpgroup_mma_wait(1, deps=[s_tok, q_next, k_smem.index(slot)])[0]
+                    mbarrier.arrive(k_empty.index(slot), count=1)
+                    tile_scale = scale
+                    if FP8:
+                        tile_scale = scale * gl.load(k_scale_ptr + kv_scales)
+                    m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
+                    l = gl.zeros([WG_M], gl.float32, row_layout)
+                    p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, tile_scale, CAUSAL, BLOCK_N,
+                                                     s_layout, P_SHIFT)
                 else:
-                    gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l)) * 0.6931471805599453, mask=lse_rows < T)
-            mbarrier.wait(q_bar, done & 1)
-            item = gl.max(item_smem.load(item_layout), axis=0)
+                    _take_turn(turns, k, WG, PINGPONG)
+                    acc = _hopper_pv(p_op, v_smem, last, acc, FP8)
+                    _give_turn(turns, WG, PINGPONG, CONSUMERS)
+                    k += 1
+            else:
+                _take_turn(turns, k, WG, PINGPONG)
+                acc = _hopper_pv(p_op, v_smem, last, acc, FP8)
+                _give_turn(turns, WG, PINGPONG, CONSUMERS)
+                k += 1
+            acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(last)])[0]
+            mbarrier.arrive(v_empty.index(last), count=1)
+            _hopper_store(acc, l_out, m_out, bh_out, rows_out, o_ptr, lse_ptr, T, WG_M, o_layout, row_layout,
+                          STORE_LSE, P_SHIFT)
+            if not OVERLAP:
+                mbarrier.wait(q_bar.index(0), done & 1)
+                item = _hopper_get_item(item_0, item_1, 0)
 
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
@@ -293,29 +404,33 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         FP8: gl.constexpr = False,               # step 6: q, k in e4m3, v_desc over Vᵀ [B*Hkv*D, S16] in e4m3
         P_SHIFT: gl.constexpr = 0,               # FP8: P computed as 2^P_SHIFT · P
         CONSUMERS: gl.constexpr = 2,             # consumer warpgroups, WG_M query rows each (3: D = 64, not FP8)
+        OVERLAP: gl.constexpr = False,           # the next item's first S beside this item's last P V
     ):
+        Q_BUFFERS: gl.constexpr = 2 if OVERLAP else 1
         WG_M: gl.constexpr = 64
         BLOCK_M: gl.constexpr = CONSUMERS * WG_M
         dtype: gl.constexpr = q_desc.dtype
         n_m = gl.cdiv(T, BLOCK_M)
         n_items = n_m * B_HQ
 
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, WG_M, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, WG_M, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         if FP8:
             v_smem = gl.allocate_shared_memory(dtype, [STAGES, D, BLOCK_N], v_desc.layout)   # Vᵀ's tiles
         else:
             v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())     # per Q buffer
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-        item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(q_empty, count=CONSUMERS)
+        item_0 = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # Q buffer 0's item
+        item_1 = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # and buffer 1's
+        for b in gl.static_range(Q_BUFFERS):
+            mbarrier.init(q_bar.index(b), count=1)
+            mbarrier.init(q_empty.index(b), count=CONSUMERS)      # every consumer releases a Q buffer
         for c in gl.static_range(CONSUMERS):
             mbarrier.init(turns.index(c), count=1)
         for i in gl.static_range(STAGES):
@@ -328,34 +443,34 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 0, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 1, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
                 (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
-                                k_empty, v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
-                                WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS)),
+                                k_empty, v_empty, item_0, item_1, queue_ptr, T, S, Hq, Hkv, query_offset, n_m,
+                                n_items, WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS, Q_BUFFERS)),
             ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
         else:   # three: 160 registers each for consumers 1 and 2, 168 are left to consumer 0
             gl.warp_specialize([
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 0, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 1, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
-                                   item_smem, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
+                                   item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 2, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS)),
+                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
                 (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
-                                k_empty, v_empty, item_smem, queue_ptr, T, S, Hq, Hkv, query_offset, n_m, n_items,
-                                WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS)),
+                                k_empty, v_empty, item_0, item_1, queue_ptr, T, S, Hq, Hkv, query_offset, n_m,
+                                n_items, WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS, Q_BUFFERS)),
             ], [4, 4, 1], [160, 160, 24])
 
 
@@ -372,6 +487,13 @@ def hopper_consumers(t, d, causal):
     than two (python -m flashcourse.bench.fast --consumers): causal, D = 64, T >= 4k. Without a mask the third
     consumer's 160 registers spill; at short T its longer items leave multiprocessors idle at the grid's end."""
     return 3 if causal and d == 64 and t >= 4096 else 2
+
+
+def hopper_overlap(t, d, causal):
+    """Whether hopper_attention overlaps items (the next item's first S beside this one's last P V), where it was
+    measured faster (python -m flashcourse.bench.fast --overlap): causal up to T = 2k, where an item has few
+    tiles and its start and end come round often."""
+    return causal and t <= 2048
 
 
 def _hopper_refusal(q, k, causal, query_offset):
@@ -391,11 +513,12 @@ def _hopper_refusal(q, k, causal, query_offset):
 
 
 def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, consumers=None,
-                     fallback=True):
+                     overlap=None, fallback=True):
     """FlashAttention-3's forward schedule on a Hopper GPU, written in Gluon: a producer warp loads Q, K and
     V by TMA; two consumer warpgroups (three at D = 64, where hopper_consumers chooses them) take 64 query rows
     each. q [B, Hq, T, D], k and v [B, Hkv, S, D], bf16 or fp16, D 64 or 128, any T and S. Returns
-    o [B, Hq, T, D]. persistent, pingpong and consumers left None are hopper_schedule's and hopper_consumers'.
+    o [B, Hq, T, D]. persistent, pingpong, consumers and overlap left None are hopper_schedule's,
+    hopper_consumers' and hopper_overlap's choices.
 
     Where the schedule does not apply (another dtype, D or T, a query before key 0, no Gluon, not a Hopper GPU)
     it returns step 7's `attention` for the same inputs, which takes any head dimension, so a caller need not
@@ -407,11 +530,12 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
         from flashcourse.engine.any_input import attention  # which imports this module
 
         return attention(q, k, v, causal=causal, query_offset=query_offset)
-    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, store_lse=False)[0]
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap,
+                          store_lse=False)[0]
 
 
 def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, consumers=None,
-                         fallback=True):
+                         overlap=None, fallback=True):
     """(o, lse): hopper_attention's o and each row's log-sum-exp [B, Hq, T] in FP32 (natural log), as 05's
     fast_attention_lse returns them, for any T. Where the schedule does not apply, step 7's
     `attention_lse`."""
@@ -422,10 +546,10 @@ def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=Non
         from flashcourse.engine.any_input import attention_lse  # which imports this module
 
         return attention_lse(q, k, v, causal=causal, query_offset=query_offset)
-    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, store_lse=True)
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, store_lse=True)
 
 
-def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, store_lse):
+def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, store_lse):
     """(o, lse or None): hopper_fwd_kernel on inputs its schedule takes."""
     _check_inputs(q, k, v)
     B, Hq, T, D = q.shape
@@ -435,6 +559,7 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     persistent = default_persistent if persistent is None else persistent
     pingpong = default_pingpong if pingpong is None else pingpong
     consumers = hopper_consumers(T, D, causal) if consumers is None else consumers
+    overlap = hopper_overlap(T, D, causal) if overlap is None else overlap
     if consumers not in (2, 3) or (consumers == 3 and D != 64):
         raise ValueError(f"hopper_attention runs 2 consumer warpgroups, or 3 at D = 64 (at D = 128 three would "
                          f"spill their accumulators); got consumers={consumers}, D = {D}")
@@ -456,5 +581,6 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     hopper_fwd_kernel[(programs,)](
         q_desc, k_desc, v_desc, o, o if lse is None else lse, o, o, o, queue, T, S, Hq, Hkv, B * Hq, query_offset,
         0, 0, LOG2E / math.sqrt(D), D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
-        PERSISTENT=persistent, STORE_LSE=store_lse, CONSUMERS=consumers, num_warps=4)
+        PERSISTENT=persistent, STORE_LSE=store_lse, CONSUMERS=consumers, OVERLAP=overlap,
+        num_warps=4)
     return o, lse
