@@ -332,6 +332,28 @@ def test_hopper_report():
                         "1.0e-03 | 2.0e-03 | 100.0 | 101.0 | 102.0 | 103.0 |")
 
 
+def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
+    """Rounds alternate the order of the implementations (a, b, c, then c, b, a), each keeps its fastest round,
+    and one that fails every round is NaN, not a number from another round."""
+    import math
+
+    from flashcourse.bench import fast
+
+    calls, times = [], {"a": [2.0, 1.0], "b": [4.0, 5.0], "c": [math.nan, math.nan]}
+    monkeypatch.setattr(fast, "_ms", lambda fn: fn())
+
+    def timed(name):
+        def run():
+            calls.append(name)
+            return times[name][calls.count(name) - 1]
+        return run
+    monkeypatch.setattr(fast, "_or_nan", lambda measure, fn: measure(fn))
+    row = {}
+    fast._time_row(row, {name: timed(name) for name in "abc"}, flops=1e9, rounds=2)
+    assert calls == ["a", "b", "c", "c", "b", "a"]
+    assert row["a"] == 1.0 and row["b"] == 0.25 and math.isnan(row["c"])
+
+
 @pytest.mark.parametrize("choice", ["consumers", "overlap"])
 def test_choice_report(choice):
     """--consumers' and --overlap's table: one row per shape, the second setting over the first and each over

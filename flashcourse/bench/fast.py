@@ -820,10 +820,15 @@ def _prefill_cases(grid):
 
 def _time_row(row, impls, flops, rounds=1) -> None:
     """row[name] = TFLOP/s of each implementation, NaN where one fails; with rounds > 1 the best of that many
-    rounds, the implementations taking turns in each, so that a slow moment of the GPU hits all of them."""
-    for _ in range(rounds):
-        for name, fn in impls.items():
-            row[name] = max(row.get(name, -math.inf), flops / _or_nan(_ms, fn) / 1e9)
+    rounds, the implementations taking turns, in reverse order every other round: neither a slow moment of the
+    GPU nor a place in the order favours one of them."""
+    order = list(impls)
+    times = {name: [] for name in order}
+    for round_ in range(rounds):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            times[name].append(_or_nan(_ms, impls[name]))
+    for name in order:
+        row[name] = flops / min((ms for ms in times[name] if not math.isnan(ms)), default=math.nan) / 1e9
 
 
 def _print_row(row, names, suffix="") -> None:
@@ -1090,7 +1095,7 @@ def choice_report(result: dict, choice: str) -> str:
     lines = report_opening(
         f"# {title[choice]}", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"two rounds. T = S, B x T = {TOKENS}; TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. "
+        f"two rounds, the second in reverse order. T = S, B x T = {TOKENS}; TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. "
         f"'{a}' and '{b}' force hopper_attention's {keyword}= to {settings[a]} and {settings[b]}, the rest of the "
         f"schedule its own; hopper_attention is all its own choice. 'identical': '{b}' gave '{a}''s o bit for bit.")
     lines += ["| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(names) +
