@@ -183,7 +183,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         first = q_first + WG * WG_M
         q_pos = first + gl.arange(0, WG_M, layout=row_layout)
         scale = qk_scale
-        kv_scales = bh * 0
+        kv_scales = bh * 0                        # without FP8 unused: an int and a float, as under FP8
         v_unit = qk_scale * 0.0 + 1.0
         if FP8:
             kv_scales = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * kv_blocks   # this KV head's first
