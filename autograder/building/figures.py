@@ -231,18 +231,20 @@ def _hopper_row(data, t: int, causal: bool = True) -> dict:
     return row
 
 
-def _three_over_two(data, causal: bool = True, t_at_least: int = 0, t_at_most: float = math.inf) -> list[float]:
-    """Three consumer warpgroups' TFLOP/s over two's, at --consumers' rows of that mask and range of T."""
-    return [r["3 consumers"] / r["2 consumers"] for r in data["consumers"]
-            if r["causal"] == causal and t_at_least <= r["t"] <= t_at_most]
+def _second_over_first(data, choice: str, t_at_least: int = 0, t_at_most: float = math.inf,
+                       **fields) -> list[float]:
+    """At the rows of a --consumers or --overlap run (`choice`) whose T lies in the range and whose other fields
+    match: the second setting's TFLOP/s over the first's (three consumers over two, the overlap over one item at
+    a time)."""
+    from flashcourse.bench.fast import HOPPER_CHOICES
+
+    first, second = HOPPER_CHOICES[choice][1]
+    return [r[second] / r[first] for r in data[choice]
+            if t_at_least <= r["t"] <= t_at_most and all(r[key] == value for key, value in fields.items())]
 
 
-def _overlap_gain(data, **where) -> list[float]:
-    """The overlap's TFLOP/s over one item at a time's, at --overlap's rows whose fields match `where` (t_at_most
-    bounds T)."""
-    t_at_most = where.pop("t_at_most", math.inf)
-    return [r["overlap"] / r["one item at a time"] for r in data["overlap"]
-            if r["t"] <= t_at_most and all(r[key] == value for key, value in where.items())]
+_three_over_two = functools.partial(_second_over_first, choice="consumers")   # three consumers over two
+_overlap_gain = functools.partial(_second_over_first, choice="overlap")       # the overlap over one at a time
 
 
 def _overlap_repeats(data) -> list[float]:
@@ -495,9 +497,9 @@ FIGURES: dict[str, Figure] = {
     "hopper.fast_full_1k": Figure(HOPPER, lambda d: _hopper_row(d, 1024, causal=False)["fast_attention"]),
     "hopper.repeat_rows_within_5": Figure(HOPPER, lambda d: sum(abs(x - 1) <= 0.05 for x in _hopper_repeats(d))),
     "hopper.repeat_worst_pct": Figure(HOPPER, lambda d: 100 * max(abs(x - 1) for x in _hopper_repeats(d))),
-    "hopper.c3.over_two_min": Figure(CONSUMERS, lambda d: min(_three_over_two(d, t_at_least=4096)), 2),
-    "hopper.c3.over_two_max": Figure(CONSUMERS, lambda d: max(_three_over_two(d, t_at_least=4096)), 2),
-    "hopper.c3.over_two_1k": Figure(CONSUMERS, lambda d: _three_over_two(d, t_at_most=1024)[0], 2),
+    "hopper.c3.over_two_min": Figure(CONSUMERS, lambda d: min(_three_over_two(d, causal=True, t_at_least=4096)), 2),
+    "hopper.c3.over_two_max": Figure(CONSUMERS, lambda d: max(_three_over_two(d, causal=True, t_at_least=4096)), 2),
+    "hopper.c3.over_two_1k": Figure(CONSUMERS, lambda d: _three_over_two(d, causal=True, t_at_most=1024)[0], 2),
     "hopper.c3.full_over_two_min": Figure(CONSUMERS, lambda d: min(_three_over_two(d, causal=False)), 2),
     "hopper.c3.full_over_two_max": Figure(CONSUMERS, lambda d: max(_three_over_two(d, causal=False)), 2),
     "hopper.c3.causal_16k": Figure(CONSUMERS, lambda d: _consumers_row(d, 16384)["3 consumers"]),
