@@ -14,6 +14,7 @@ SAMPLES = ROOT / "autograder" / "samples"
 # Files whose tests run as the one ordinary user (and its delegated cgroups): one such test holding all the
 # processes that user may start would starve another, so under pytest-xdist they share a process.
 ORDINARY_USER_FILES = {"test_grading_unprivileged.py", "test_jail_isolation.py"}
+ORDINARY_USER_SCOPE = "ordinary user"   # the one unit of work they make for pytest-xdist
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # before pytest-xdist's own; a hook only where it is installed
@@ -27,13 +28,13 @@ def pytest_xdist_make_scheduler(config, log):
     class FileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = super()._split_scope(nodeid)
-            return "ordinary user" if Path(file).name in ORDINARY_USER_FILES else file
+            return ORDINARY_USER_SCOPE if Path(file).name in ORDINARY_USER_FILES else file
 
         def _assign_work_unit(self, node):
             # The ordinary user's files take about 7 minutes one after another: first, not last, so that the
             # other process is busy with everything else meanwhile.
-            if "ordinary user" in self.workqueue:
-                self.workqueue.move_to_end("ordinary user", last=False)
+            if ORDINARY_USER_SCOPE in self.workqueue:
+                self.workqueue.move_to_end(ORDINARY_USER_SCOPE, last=False)
             super()._assign_work_unit(node)
 
     return FileScheduling(config, log)
