@@ -511,7 +511,7 @@ for kernel, d, causal, atomic in json.loads(sys.argv[1]):
     scalars = (512, 512, 2, 1, 0, 0.1, 0.1)
     with contextlib.redirect_stdout(io.StringIO()) as ptxas_log:   # TRITON_DUMP_PTXAS_LOG prints it
         if kernel == "dkdv":
-            ds_layout = hb._shared_layout([hb.BWD_HALF_N, hb.BWD_BLOCK_M], torch.bfloat16)
+            ds_layout = hb._shared_layout([hb.BWD_BLOCK_M, hb.BWD_HALF_N], torch.bfloat16)
             compiled = hb.hopper_dkdv_kernel.warmup(
                 hb._descriptor(x, hb.BWD_BLOCK_M), hb._descriptor(x, hb.BWD_BLOCK_M),
                 hb._descriptor(x, hb.BWD_HALF_N), hb._descriptor(x, hb.BWD_HALF_N), f, f, x.float(), x, x, *scalars,
@@ -534,13 +534,15 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """Step 8's dK/dV and dQ kernels compile to sm_90 binaries with this machine's Triton and no GPU, as
     hopper_fwd_kernel does above: each holds wgmma and fits in shared memory, and only ATOMIC_DQ adds atomics. ptxas
     does not serialize the products for want of registers (its warning C7512, under which each wgmma waits for the
-    one before), as Triton 3.6's does to the atomic kernel under a causal mask at D = 128."""
+    one before), as Triton 3.6's did to the atomic kernel under a causal mask at D = 128 while the kernel formed
+    its products transposed."""
     import json
     import os
     import subprocess
     import sys
 
-    configs = [("dkdv", 128, True, False), ("dkdv", 64, False, True), ("dq", 128, True, False), ("dq", 64, False, False)]
+    configs = [("dkdv", 128, True, False), ("dkdv", 128, True, True), ("dkdv", 64, False, True), ("dq", 128, True, False),
+               ("dq", 64, False, False)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path),
                                                                              "TRITON_DUMP_PTXAS_LOG": "1"}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE_BACKWARD, json.dumps(configs)], capture_output=True,

@@ -49,6 +49,7 @@ FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08
 FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the same, FP8 in step 5's Gluon schedule
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
+ARRANGEMENT = "benchmarks/results/2026-12-06-h100-backward-arrangement.json"  # 08, step 8: S^T or S, ping-pong
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -307,6 +308,11 @@ def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int
     return next(r for r in data["rows"] if (r["t"], r["causal"], r["d"], r["kv_heads"]) == (t, causal, d, kv_heads))
 
 
+def _arrangement(data, column: str, over: str = "transposed") -> list[float]:
+    """One dK/dV arrangement's speed over another's, every row of step 8's H100 comparison (cuDNN: "SDPA cuDNN")."""
+    return [r[f"{column} bwd"] / r[f"{over} bwd"] for r in data["rows"]]
+
+
 def _ring(report: Report, t: int, what: str, column: str) -> float:
     """A cell of 07's two-GPU table, as a number: the row of `what` at T = t."""
     return float(next(r[column] for r in report.tables[0] if int(r["T"]) == t and r["what"] == what))
@@ -340,6 +346,24 @@ FIGURES: dict[str, Figure] = {
     "hbwd.gqa_of_cudnn": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 8192, kv_heads=8)["Gluon bwd"]
                                 / _backward_row(d, 8192, kv_heads=8)["SDPA cuDNN bwd"], 2),
     "hbwd.error_max_e3": Figure(HOPPER_BACKWARD, lambda d: 1e3 * max(r["Gluon error"] for r in d["rows"]), 0),
+    "hbwd.stand_over_transposed_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(d, "as they stand")), 2),
+    "hbwd.stand_over_transposed_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(d, "as they stand")), 2),
+    "hbwd.stand_of_cudnn_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(d, "as they stand", "SDPA cuDNN")), 2),
+    "hbwd.stand_of_cudnn_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(d, "as they stand", "SDPA cuDNN")), 2),
+    "hbwd.pingpong_of_stand_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(
+        d, "as they stand, ping-pong", "as they stand")), 2),
+    "hbwd.pingpong_of_stand_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(
+        d, "as they stand, ping-pong", "as they stand")), 2),
+    "hbwd.pingpong_of_transposed_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(d, "transposed, ping-pong")), 2),
+    "hbwd.pingpong_of_transposed_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(d, "transposed, ping-pong")), 2),
+    "hbwd.stand_atomic_over_transposed_atomic_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(
+        d, "as they stand, atomic dQ", "transposed, atomic dQ")), 2),
+    "hbwd.stand_atomic_over_transposed_atomic_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(
+        d, "as they stand, atomic dQ", "transposed, atomic dQ")), 2),
+    "hbwd.stand_atomic_of_stand_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(
+        d, "as they stand, atomic dQ", "as they stand")), 2),
+    "hbwd.stand_atomic_of_stand_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(
+        d, "as they stand, atomic dQ", "as they stand")), 2),
     "hbwd.gpt.course_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
     "hbwd.gpt.torch_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
     "hbwd.gpt.sdpa_range": Figure(TRAINING_HOPPER, lambda d: d["sdpa_seed_range"], 2),

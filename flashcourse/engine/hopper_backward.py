@@ -61,80 +61,106 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
-    def _dkdv_consume(q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
-                      lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-                      T, query_offset, kv_row, n0, bh0, m_start, n_m, group, qk_scale, sm_scale,
-                      HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
-        # One consumer warpgroup: HALF_N keys against every query tile, dK and dV in registers throughout.
-        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_M, 16])  # [HALF_N, BLOCK_M]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, D, 16])       # [64, D]
-        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        query_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    def _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready, ds_free,
+                   lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt, t, dk, dv, qk_scale, sm_scale,
+                   HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr, MASK: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+        # One query tile against the consumer's HALF_N keys: dK and dV updated and returned.
+        # S and dP are computed as they stand (queries by keys): lse and delta are then two values a thread, and P
+        # and dS go through shared memory, where the dV and dK products read them transposed.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF_N, 16])    # [BLOCK_M, HALF_N]
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, D // 2, 16])   # [BLOCK_M, D/2]
         # Four consecutive FP32 per thread: one vector atomic (atom.add.v4.f32) adds 16 bytes
         add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (D // 8), D // 8], [4, 1], [1, 0])
         dtype: gl.constexpr = q_smem.dtype
+        slot = t % STAGES
+        q_s = q_smem.index(slot)                                             # [BLOCK_M, D]
+        do_s = do_smem.index(slot)
+        s_zero = gl.zeros([BLOCK_M, HALF_N], gl.float32, s_layout)
+        mbarrier.wait(full.index(slot), (t // STAGES) & 1)
+        s = warpgroup_mma(q_s, k_half.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_s, v_half.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        rows = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        lse2 = gl.load(lse_ptr + bh * T + rows) * LOG2E_GL                    # natural log to log2 units
+        delta = gl.load(delta_ptr + bh * T + rows)
+        s = warpgroup_mma_wait(1, deps=[s, q_s, k_half])[0]                   # S done, dP may still run
+        p = gl.exp2(s * qk_scale - lse2[:, None])                             # P [BLOCK_M, HALF_N]
+        if MASK:                                                              # a tile the diagonal crosses
+            keys = first_key + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(keys[None, :] <= rows[:, None] + query_offset, p, 0.0)
+        p_s.store(p.to(dtype))                        # the last tile's dV product is done: waited at its end
+        dp = warpgroup_mma_wait(0, deps=[dp, do_s, v_half])[0]
+        ds = (p * (dp - delta[:, None])).to(dtype)                            # dS [BLOCK_M, HALF_N]
+        buf = 0
+        if ATOMIC_DQ:                                 # dS double-buffered: the other half's dQ product reads it
+            buf = t % 2
+            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)             # read two tiles ago, by both
+        ds_s = ds_smem.index(2 * buf + HALF)
+        ds_s.store(ds)
+        fence_async_shared()
+        warpgroup_barrier()                                                   # P and dS stored by all 128 threads
+        dv = warpgroup_mma(p_s.permute((1, 0)), do_s, dv, is_async=True)      # dV += P^T dO
+        dk = warpgroup_mma(ds_s.permute((1, 0)), q_s, dk, is_async=True)      # dK += dS^T Q
+        if ATOMIC_DQ:  # dQ = dS K over both halves' keys: this warpgroup takes half of D's columns
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)                  # and the other half's
+            dq = warpgroup_mma(ds_smem.index(2 * buf), k_smem.index(0).slice(HALF * (D // 2), D // 2, dim=1),
+                               gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds_smem.index(2 * buf + 1), k_smem.index(1).slice(HALF * (D // 2), D // 2, dim=1),
+                               dq, is_async=True)
+            done = warpgroup_mma_wait(0, deps=[dv, dk, dq, q_s, do_s, p_s, ds_smem, k_smem])
+            dv, dk, dq = done[0], done[1], done[2]
+            mbarrier.arrive(ds_free.index(buf), count=1)
+            mbarrier.arrive(empty.index(slot), count=1)
+            q_rows = bh * T + mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
+            dq_cols = HALF * (D // 2) + gl.arange(0, D // 2, layout=gl.SliceLayout(0, add_layout))
+            gl.atomic_add(dq_ptr + q_rows[:, None] * D + dq_cols[None, :],
+                          gl.convert_layout(dq * sm_scale, add_layout), sem="relaxed")
+        else:
+            done = warpgroup_mma_wait(0, deps=[dv, dk, q_s, do_s, p_s, ds_s])
+            dv, dk = done[0], done[1]
+            mbarrier.arrive(empty.index(slot), count=1)
+        return dk, dv
+
+
+    @gluon.jit
+    def _dkdv_consume(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
+                      lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+                      T, query_offset, kv_row, n0, bh0, m_start, n_m, group, qk_scale, sm_scale,
+                      HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+        # One consumer warpgroup: HALF_N keys against every query tile, dK and dV in registers throughout; under a
+        # causal mask the tiles the diagonal crosses in a loop of their own, so that the others carry no mask.
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, D, 16])       # [HALF_N, D]
+        dtype: gl.constexpr = q_smem.dtype
         k_half = k_smem.index(HALF)                                          # [HALF_N, D]
         v_half = v_smem.index(HALF)
+        p_s = p_smem.index(HALF)                                             # [BLOCK_M, HALF_N]
         first_key = n0 + HALF * HALF_N
-        keys = first_key + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, st_layout))
-        st_zero = gl.zeros([HALF_N, BLOCK_M], gl.float32, st_layout)
-        dq_zero = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
         dk = gl.zeros([HALF_N, D], gl.float32, acc_layout)
         dv = gl.zeros([HALF_N, D], gl.float32, acc_layout)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-        dq_cols = HALF * (D // 2) + gl.arange(0, D // 2, layout=gl.SliceLayout(0, add_layout))
+        m_split = m_start                       # tiles before it are crossed by the diagonal
+        if CAUSAL:
+            m_split = gl.minimum(gl.maximum(gl.cdiv(first_key + HALF_N - 1 - query_offset, BLOCK_M), m_start), n_m)
         mbarrier.wait(kv_bar, 0)
         t = 0
         for g in range(group):
             bh = bh0 + g
-            for mt in range(m_start, n_m):
-                slot = t % STAGES
-                q_s = q_smem.index(slot)                                     # [BLOCK_M, D]
-                do_s = do_smem.index(slot)
-                mbarrier.wait(full.index(slot), (t // STAGES) & 1)
-                st = warpgroup_mma(k_half, q_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-                dpt = warpgroup_mma(v_half, do_s.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-                rows = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_layout)
-                lse2 = gl.load(lse_ptr + bh * T + rows) * LOG2E_GL            # natural log to log2 units
-                delta = gl.load(delta_ptr + bh * T + rows)
-                st = warpgroup_mma_wait(1, deps=[st, k_half, q_s])[0]         # S^T done, dP^T may still run
-                pt = gl.exp2(st * qk_scale - lse2[None, :])                   # P^T [HALF_N, BLOCK_M]
-                if CAUSAL:
-                    if mt * BLOCK_M + query_offset < first_key + HALF_N - 1:  # a tile the diagonal crosses
-                        pt = gl.where(keys[:, None] <= rows[None, :] + query_offset, pt, 0.0)
-                dpt = warpgroup_mma_wait(0, deps=[dpt, v_half, do_s])[0]
-                dst = (pt * (dpt - delta[None, :])).to(dtype)                 # dS^T [HALF_N, BLOCK_M]
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_s, dv, is_async=True)
-                dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q_s, dk, is_async=True)
-                if ATOMIC_DQ:  # dQ = dS K over both halves' keys: this warpgroup takes half of D's columns
-                    buf = t % 2                                               # dS^T double-buffered
-                    mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)     # read two tiles ago, by both
-                    ds_smem.index(2 * buf + HALF).store(dst)
-                    fence_async_shared()
-                    warpgroup_barrier()                                       # the whole tile stored
-                    mbarrier.arrive(ds_ready.index(buf), count=1)
-                    mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)          # and the other half's
-                    dq = warpgroup_mma(ds_smem.index(2 * buf).permute((1, 0)),
-                                       k_smem.index(0).slice(HALF * (D // 2), D // 2, dim=1), dq_zero,
-                                       use_acc=False, is_async=True)
-                    dq = warpgroup_mma(ds_smem.index(2 * buf + 1).permute((1, 0)),
-                                       k_smem.index(1).slice(HALF * (D // 2), D // 2, dim=1), dq, is_async=True)
-                    done = warpgroup_mma_wait(0, deps=[dv, dk, dq, q_s, do_s, ds_smem, k_smem])
-                    dv, dk, dq = done[0], done[1], done[2]
-                    mbarrier.arrive(ds_free.index(buf), count=1)
-                    mbarrier.arrive(empty.index(slot), count=1)
-                    q_rows = bh * T + mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
-                    gl.atomic_add(dq_ptr + q_rows[:, None] * D + dq_cols[None, :],
-                                  gl.convert_layout(dq * sm_scale, add_layout), sem="relaxed")
-                else:
-                    done = warpgroup_mma_wait(0, deps=[dv, dk, q_s, do_s])
-                    dv, dk = done[0], done[1]
-                    mbarrier.arrive(empty.index(slot), count=1)
+            for mt in range(m_start, m_split):
+                dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready,
+                                       ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
+                                       t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, True,
+                                       ATOMIC_DQ)
+                t += 1
+            for mt in range(m_split, n_m):
+                dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready,
+                                       ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
+                                       t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, False,
+                                       ATOMIC_DQ)
                 t += 1
         out_rows = kv_row + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
         offsets = out_rows[:, None] * D + cols[None, :]
@@ -152,7 +178,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         T, S, Hq, Hkv,                       # queries, keys, query heads, KV heads
         query_offset,                        # absolute position of query 0
         qk_scale, sm_scale,                  # log2(e)/sqrt(D) and 1/sqrt(D)
-        ds_layout: gl.constexpr,             # shared layout of a [HALF_N, BLOCK_M] tile of dS^T (ATOMIC_DQ)
+        ds_layout: gl.constexpr,             # shared layout of a [BLOCK_M, HALF_N] tile of P or dS
         D: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
     ):
@@ -172,7 +198,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], v_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF_N, BLOCK_M], ds_layout)   # 2 x both halves' dS^T
+        ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF_N], ds_layout)   # 2 x both halves' dS
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], ds_layout)    # each half's P
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -183,16 +210,16 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             mbarrier.init(full.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)             # both consumers release a slot
         for i in gl.static_range(2):
-            mbarrier.init(ds_ready.index(i), count=2)          # both halves of dS^T stored
+            mbarrier.init(ds_ready.index(i), count=2)          # both halves of dS stored
             mbarrier.init(ds_free.index(i), count=2)           # both consumers' dQ products done with them
         fence_async_shared()
 
         gl.warp_specialize([
-            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
+            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
                              lse_ptr, delta_ptr,
                              dq_ptr, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
                              qk_scale, sm_scale, 0, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
-            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
+            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
                              lse_ptr, delta_ptr,
                              dq_ptr, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
                              qk_scale, sm_scale, 1, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
@@ -365,7 +392,7 @@ def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_
     scales = (LOG2E / math.sqrt(D), 1.0 / math.sqrt(D))
     dk, dv = torch.empty_like(k), torch.empty_like(v)                    # [B, Hkv, S, D]
     dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dk   # [B, Hq, T, D]
-    ds_layout = _shared_layout([BWD_HALF_N, BWD_BLOCK_M], q.dtype)
+    ds_layout = _shared_layout([BWD_BLOCK_M, BWD_HALF_N], q.dtype)
     hopper_dkdv_kernel[(triton.cdiv(S, 2 * BWD_HALF_N), B * Hkv)](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_HALF_N),
         _descriptor(v, BWD_HALF_N), lse, delta, dq32, dk, dv, T, S, Hq, Hkv, query_offset, *scales, ds_layout,
