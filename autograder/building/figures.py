@@ -309,8 +309,13 @@ def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int
 
 
 def _arrangement(data, column: str, over: str = "transposed") -> list[float]:
-    """One dK/dV arrangement's speed over another's, every row of step 8's H100 comparison (cuDNN: "SDPA cuDNN")."""
-    return [r[f"{column} bwd"] / r[f"{over} bwd"] for r in data["rows"]]
+    """One dK/dV arrangement's speed over another's, every row of step 8's H100 comparison (cuDNN: "SDPA cuDNN"),
+    from the ratios to the transposed kernel that the run printed to three decimals (its TFLOP/s are rounded)."""
+    def relative(row, name):   # speed over the transposed kernel's
+        if name == "SDPA cuDNN":
+            return 1 / row["transposed of cuDNN"]
+        return 1.0 if name == "transposed" else row["over transposed"][name]
+    return [relative(r, column) / relative(r, over) for r in data["rows"]]
 
 
 def _ring(report: Report, t: int, what: str, column: str) -> float:
