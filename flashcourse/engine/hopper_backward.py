@@ -152,15 +152,15 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             bh = bh0 + g
             for mt in range(m_start, m_split):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready,
-                                       ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
-                                       t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, True,
-                                       ATOMIC_DQ)
+                                    ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
+                                    t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, True,
+                                    ATOMIC_DQ)
                 t += 1
             for mt in range(m_split, n_m):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready,
-                                       ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
-                                       t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, False,
-                                       ATOMIC_DQ)
+                                    ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
+                                    t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, False,
+                                    ATOMIC_DQ)
                 t += 1
         out_rows = kv_row + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
         offsets = out_rows[:, None] * D + cols[None, :]
