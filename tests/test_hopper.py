@@ -514,7 +514,8 @@ for kernel, d, causal, atomic in json.loads(sys.argv[1]):
             ds_layout = hb._shared_layout([hb.BWD_BLOCK_M, hb.BWD_HALF_N], torch.bfloat16)
             compiled = hb.hopper_dkdv_kernel.warmup(
                 hb._descriptor(x, hb.BWD_BLOCK_M), hb._descriptor(x, hb.BWD_BLOCK_M),
-                hb._descriptor(x, hb.BWD_HALF_N), hb._descriptor(x, hb.BWD_HALF_N), f, f, x.float(), x, x, *scalars,
+                hb._descriptor(x, hb.BWD_HALF_N), hb._descriptor(x, hb.BWD_HALF_N), f, f,
+                hb._dq_descriptor(x.float()) if atomic else hb._descriptor(x, hb.BWD_BLOCK_M), x, x, *scalars,
                 ds_layout, D=d, BLOCK_M=hb.BWD_BLOCK_M, HALF_N=hb.BWD_HALF_N, STAGES=hb.BWD_STAGES, CAUSAL=causal,
                 ATOMIC_DQ=atomic, num_warps=4, grid=(1,))
         else:
@@ -524,6 +525,7 @@ for kernel, d, causal, atomic in json.loads(sys.argv[1]):
                 BLOCK_N=hb.DQ_BLOCK_N, STAGES=hb.DQ_STAGES, CAUSAL=causal, num_warps=4, grid=(1,))
     ptx = compiled.asm["ptx"]
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
+                    "adds": ptx.count("cp.reduce.async.bulk"),
                     "atomics": ptx.count("red.global") + ptx.count("atom.global"), "shared": compiled.metadata.shared,
                     "ptxas_log": "registers" in ptxas_log.getvalue(), "serialized": "C7512" in ptxas_log.getvalue()})
 print(json.dumps(results))
@@ -532,10 +534,10 @@ print(json.dumps(results))
 
 def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """Step 8's dK/dV and dQ kernels compile to sm_90 binaries with this machine's Triton and no GPU, as
-    hopper_fwd_kernel does above: each holds wgmma and fits in shared memory, and only ATOMIC_DQ adds atomics. ptxas
-    does not serialize the products for want of registers (its warning C7512, under which each wgmma waits for the
-    one before), as Triton 3.6's did to the atomic kernel under a causal mask at D = 128 while the kernel formed
-    its products transposed."""
+    hopper_fwd_kernel does above: each holds wgmma and fits in shared memory, and only ATOMIC_DQ adds into dq, by TMA
+    reductions (no atomics from registers). ptxas does not serialize the products for want of registers (its
+    warning C7512, under which each wgmma waits for the one before), as Triton 3.6's did to the atomic kernel under
+    a causal mask at D = 128 while the kernel formed its products transposed."""
     import json
     import os
     import subprocess
@@ -554,7 +556,7 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     for (kernel, d, causal, atomic), result in zip(configs, results):
         assert result["cubin"] > 0 and result["wgmma"] >= 4, (kernel, d, result)
         assert result["shared"] <= 227 * 1024, (kernel, d, result)
-        assert (result["atomics"] > 0) == atomic, (kernel, d, atomic, result)
+        assert (result["adds"] > 0) == atomic and result["atomics"] == 0, (kernel, d, atomic, result)
         assert result["ptxas_log"] and not result["serialized"], (kernel, d, result)
 
 

@@ -73,6 +73,33 @@ def test_hopper_backward_matches_float64(batch, q_heads, kv_heads, t, s, d, caus
 
 
 @hopper_only
+@pytest.mark.parametrize("t", [256, 4096])
+def test_hopper_backward_default_runs_the_dq_kernel_below_one_kernel_from_t(t, monkeypatch):
+    """By default the dQ kernel runs below ONE_KERNEL_FROM_T queries and not from there, where the dK/dV kernel
+    adds dq by TMA: GQA 2, causal, D = 64, bf16, gradients within the bound above against float64."""
+    from flashcourse.engine import hopper_backward as hb
+    from flashcourse.engine.backward import flash_attention_backward, flash_attention_lse
+
+    launches = []
+    kernel = hb.hopper_dq_kernel
+
+    class Counted:  # hopper_dq_kernel[grid](...), launches counted
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(hb, "hopper_dq_kernel", Counted())
+    q, k, v, do = _inputs(1, 2, 1, t, t, 64, torch.bfloat16)
+    o, lse = flash_attention_lse(q, k, v, 0, True)
+    got = hb.hopper_backward(q, k, v, o, lse, do, fallback=False)
+    assert len(launches) == (t < hb.ONE_KERNEL_FROM_T), f"{len(launches)} launches of the dQ kernel at T = {t}"
+    want = _float64_gradients(q, k, v, do, True, 0)
+    for name, error, bound in zip(("dq", "dk", "dv"), _errors(got, want),
+                                  _errors(flash_attention_backward(q, k, v, o, lse, do, 0, True), want)):
+        assert error <= 2 * bound + 2e-3, f"{name} at T = {t}: error {error:.2e}, 06's kernels {bound:.2e}"
+
+
+@hopper_only
 @pytest.mark.parametrize("causal", [True, False])
 def test_hopper_attention_train_through_autograd(causal):
     """hopper_attention_train: the Gluon forward and backward through loss.backward(), GQA 4, T = S = 640, bf16.

@@ -50,6 +50,7 @@ FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the sam
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
 ARRANGEMENT = "benchmarks/results/2026-12-06-h100-backward-arrangement.json"  # 08, step 8: S^T or S, ping-pong
+TMA_DQ = "benchmarks/results/2026-12-06-h100-backward-tma-dq.json"    # 08, step 8: dQ added by TMA or atomics
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -318,6 +319,15 @@ def _arrangement(data, column: str, over: str = "transposed") -> list[float]:
     return [relative(r, column) / relative(r, over) for r in data["rows"]]
 
 
+def _tma_dq(data, column: str, over: str = "two kernels", t: int | None = None, t_from: int = 0) -> list[float]:
+    """One way of adding dQ over another (or over the two kernels), the rows of step 8's H100 comparison at T = t
+    (or from T = t_from), from the ratios to the two kernels that the run printed to three decimals."""
+    def relative(row, name):
+        return 1.0 if name == "two kernels" else row["over_two_kernels"][name]
+    return [relative(r, column) / relative(r, over) for r in data["rows"]
+            if (t is None or r["t"] == t) and r["t"] >= t_from]
+
+
 def _ring(report: Report, t: int, what: str, column: str) -> float:
     """A cell of 07's two-GPU table, as a number: the row of `what` at T = t."""
     return float(next(r[column] for r in report.tables[0] if int(r["T"]) == t and r["what"] == what))
@@ -369,6 +379,15 @@ FIGURES: dict[str, Figure] = {
         d, "as they stand, atomic dQ", "as they stand")), 2),
     "hbwd.stand_atomic_of_stand_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(
         d, "as they stand, atomic dQ", "as they stand")), 2),
+    "hbwd.tma_over_elements_min": Figure(TMA_DQ, lambda d: min(_tma_dq(d, "TMA reduction", "element atomics")), 2),
+    "hbwd.tma_over_elements_max": Figure(TMA_DQ, lambda d: max(_tma_dq(d, "TMA reduction", "element atomics")), 2),
+    "hbwd.tma_over_two_min": Figure(TMA_DQ, lambda d: min(_tma_dq(d, "TMA reduction")), 2),
+    "hbwd.tma_over_two_max": Figure(TMA_DQ, lambda d: max(_tma_dq(d, "TMA reduction")), 2),
+    "hbwd.tma_over_two_1k": Figure(TMA_DQ, lambda d: _tma_dq(d, "TMA reduction", t=1024)[0], 2),
+    "hbwd.tma_over_two_from_4k_min": Figure(TMA_DQ, lambda d: min(_tma_dq(d, "TMA reduction", t_from=4096)), 2),
+    "hbwd.tma_of_cudnn_min": Figure(TMA_DQ, lambda d: min(r["tma_of_cudnn"] for r in d["rows"]), 2),
+    "hbwd.tma_of_cudnn_max": Figure(TMA_DQ, lambda d: max(r["tma_of_cudnn"] for r in d["rows"]), 2),
+    "hbwd.tma_of_cudnn_d64": Figure(TMA_DQ, lambda d: next(r["tma_of_cudnn"] for r in d["rows"] if r["d"] == 64), 2),
     "hbwd.gpt.course_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
     "hbwd.gpt.torch_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
     "hbwd.gpt.sdpa_range": Figure(TRAINING_HOPPER, lambda d: d["sdpa_seed_range"], 2),

@@ -64,7 +64,8 @@ def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
         row[f"{name} fwd+bwd"] = 3.5 * flops / _ms(lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), do)) / 1e9
     print(f"  {'causal' if causal else 'full  '} D={d} T={t:5d} {Q_HEADS}/{kv_heads}: backward "
           + ", ".join(f"{n} {row[n + ' bwd']:.0f}" for n in BACKWARD)
-          + f"; Gluon / cuDNN {row['Gluon bwd'] / row['SDPA cuDNN bwd']:.2f}; error {row['Gluon error']:.1e}",
+          + f"; Gluon / cuDNN {row['Gluon bwd'] / row['SDPA cuDNN bwd']:.2f}, atomic dQ / cuDNN "
+          + f"{row['Gluon, atomic dQ bwd'] / row['SDPA cuDNN bwd']:.2f}; error {row['Gluon error']:.1e}",
           flush=True)
     return row
 
@@ -86,11 +87,11 @@ def report(result: dict) -> str:
     lines = report_opening(
         "# The backward pass in Gluon (08, step 8) against 06's kernels, cuDNN and FlashAttention-2",
         result["environment"], __doc__.split("\n\n")[2].replace("\n", " "), "## Backward pass alone (TFLOP/s)")
-    lines += ["| shape | " + " | ".join(BACKWARD) + " | Gluon / cuDNN | Gluon / 06 | Gluon error |",
-              "|---" * (len(BACKWARD) + 4) + "|"]
+    lines += ["| shape | " + " | ".join(BACKWARD) + " | Gluon / cuDNN | atomic dQ / cuDNN | Gluon / 06 | Gluon error |",
+              "|---" * (len(BACKWARD) + 5) + "|"]
     lines += [f"| {_shape(r)} | " + " | ".join(f"{r[n + ' bwd']:.0f}" for n in BACKWARD)
-              + f" | {r['Gluon bwd'] / r['SDPA cuDNN bwd']:.2f} | {r['Gluon bwd'] / r['06 Triton bwd']:.2f}"
-              + f" | {r['Gluon error']:.1e} |" for r in result["rows"]]
+              + f" | {r['Gluon bwd'] / r['SDPA cuDNN bwd']:.2f} | {r['Gluon, atomic dQ bwd'] / r['SDPA cuDNN bwd']:.2f}"
+              + f" | {r['Gluon bwd'] / r['06 Triton bwd']:.2f} | {r['Gluon error']:.1e} |" for r in result["rows"]]
     lines += ["", "## Forward and backward through autograd (TFLOP/s, 3.5 times the forward's FLOPs)", "",
               "| shape | " + " | ".join(TRAINING) + " | hopper / cuDNN |", "|---" * (len(TRAINING) + 2) + "|"]
     lines += [f"| {_shape(r)} | " + " | ".join(f"{r[n + ' fwd+bwd']:.0f}" for n in TRAINING)

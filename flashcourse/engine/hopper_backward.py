@@ -24,6 +24,19 @@ if gluon is not None:
     gl, tma_load, GluonDescriptor = step5.gl, step5.tma_load, step5.GluonDescriptor
     LOG2E_GL = gl.constexpr(LOG2E)   # log2(e) as a constant the kernels can read
     warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier   # thread_barrier in 3.6
+    tma = step5.tma
+    if hasattr(tma, "async_atomic_add"):
+        tma_add = tma.async_atomic_add
+    else:  # Triton 3.6 builds TMA's reduction (cp.reduce.async.bulk.tensor) but gives Gluon no name for it
+        from triton._C.libtriton import ir
+        from triton.experimental.gluon.language._core import builtin
+
+        @builtin
+        def tma_add(tensor_desc, coord, src, _semantic=None):
+            """Add the tile src (shared memory) into the tensor at coord: one TMA reduction, done in L2."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
 
 BWD_BLOCK_M = 64      # query rows per tile of the dK/dV kernel's loop
 BWD_HALF_N = 64       # keys per consumer warpgroup: a dK/dV program owns 2 x 64 keys
@@ -31,6 +44,7 @@ BWD_STAGES = 2        # Q and dO tiles in flight
 DQ_HALF_M = 64        # query rows per consumer warpgroup of the dQ kernel: a program owns 2 x 64 rows
 DQ_BLOCK_N = 128      # keys per K/V tile of the dQ kernel
 DQ_STAGES = 2         # K and V tiles in flight
+ONE_KERNEL_FROM_T = 4096   # from this many queries dQ added inside the dK/dV kernel beat the dQ kernel (measured)
 
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
@@ -61,8 +75,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
-    def _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready, ds_free,
-                   lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt, t, dk, dv, qk_scale, sm_scale,
+    def _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, dq_s, full, empty, ds_ready, ds_free,
+                   lse_ptr, delta_ptr, dq_desc, T, query_offset, first_key, bh, mt, t, dk, dv, qk_scale, sm_scale,
                    HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                    STAGES: gl.constexpr, MASK: gl.constexpr, ATOMIC_DQ: gl.constexpr):
         # One query tile against the consumer's HALF_N keys: dK and dV updated and returned.
@@ -72,8 +86,6 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                                                             instr_shape=[16, HALF_N, 16])    # [BLOCK_M, HALF_N]
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, D // 2, 16])   # [BLOCK_M, D/2]
-        # Four consecutive FP32 per thread: one vector atomic (atom.add.v4.f32) adds 16 bytes
-        add_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (D // 8), D // 8], [4, 1], [1, 0])
         dtype: gl.constexpr = q_smem.dtype
         slot = t % STAGES
         q_s = q_smem.index(slot)                                             # [BLOCK_M, D]
@@ -100,6 +112,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         ds_s = ds_smem.index(2 * buf + HALF)
         ds_s.store(ds)
         fence_async_shared()
+        if ATOMIC_DQ:
+            tma.store_wait(0)                         # the last tile's dQ addition has read dq_s
         warpgroup_barrier()                                                   # P and dS stored by all 128 threads
         dv = warpgroup_mma(p_s.permute((1, 0)), do_s, dv, is_async=True)      # dV += P^T dO
         dk = warpgroup_mma(ds_s.permute((1, 0)), q_s, dk, is_async=True)      # dK += dS^T Q
@@ -114,10 +128,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             dv, dk, dq = done[0], done[1], done[2]
             mbarrier.arrive(ds_free.index(buf), count=1)
             mbarrier.arrive(empty.index(slot), count=1)
-            q_rows = bh * T + mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, add_layout))
-            dq_cols = HALF * (D // 2) + gl.arange(0, D // 2, layout=gl.SliceLayout(0, add_layout))
-            gl.atomic_add(dq_ptr + q_rows[:, None] * D + dq_cols[None, :],
-                          gl.convert_layout(dq * sm_scale, add_layout), sem="relaxed")
+            dq_s.store(dq * sm_scale)                 # [BLOCK_M, D/2] FP32
+            fence_async_shared()
+            warpgroup_barrier()                                               # dq_s stored by all 128 threads
+            tma_add(dq_desc, [bh * T + mt * BLOCK_M, HALF * (D // 2)], dq_s)  # added in L2 while the next tile runs
         else:
             done = warpgroup_mma_wait(0, deps=[dv, dk, q_s, do_s, p_s, ds_s])
             dv, dk = done[0], done[1]
@@ -126,8 +140,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
-    def _dkdv_consume(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
-                      lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+    def _dkdv_consume(q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, full, empty, ds_ready,
+                      ds_free, lse_ptr, delta_ptr, dq_desc, dk_ptr, dv_ptr,
                       T, query_offset, kv_row, n0, bh0, m_start, n_m, group, qk_scale, sm_scale,
                       HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
@@ -139,6 +153,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         k_half = k_smem.index(HALF)                                          # [HALF_N, D]
         v_half = v_smem.index(HALF)
         p_s = p_smem.index(HALF)                                             # [BLOCK_M, HALF_N]
+        dq_s = dq_smem.index(HALF)                                           # [BLOCK_M, D/2]
         first_key = n0 + HALF * HALF_N
         dk = gl.zeros([HALF_N, D], gl.float32, acc_layout)
         dv = gl.zeros([HALF_N, D], gl.float32, acc_layout)
@@ -151,17 +166,19 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         for g in range(group):
             bh = bh0 + g
             for mt in range(m_start, m_split):
-                dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready,
-                                    ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
-                                    t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, True,
-                                    ATOMIC_DQ)
+                dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, dq_s, full, empty,
+                                    ds_ready, ds_free, lse_ptr, delta_ptr, dq_desc, T, query_offset, first_key,
+                                    bh, mt, t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES,
+                                    True, ATOMIC_DQ)
                 t += 1
             for mt in range(m_split, n_m):
-                dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, full, empty, ds_ready,
-                                    ds_free, lse_ptr, delta_ptr, dq_ptr, T, query_offset, first_key, bh, mt,
-                                    t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES, False,
-                                    ATOMIC_DQ)
+                dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, dq_s, full, empty,
+                                    ds_ready, ds_free, lse_ptr, delta_ptr, dq_desc, T, query_offset, first_key,
+                                    bh, mt, t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES,
+                                    False, ATOMIC_DQ)
                 t += 1
+        if ATOMIC_DQ:
+            tma.store_wait(0)                         # the last addition has read dq_s before the program ends
         out_rows = kv_row + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
         offsets = out_rows[:, None] * D + cols[None, :]
         gl.store(dk_ptr + offsets, (dk * sm_scale).to(dtype))
@@ -173,7 +190,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         q_desc, do_desc,                     # TMA descriptors: q and do [B*Hq*T, D] by BLOCK_M rows
         k_desc, v_desc,                      # k and v [B*Hkv*S, D] by HALF_N rows
         lse_ptr, delta_ptr,                  # [B, Hq, T] FP32: the forward's lse (natural log) and rowsum(dO o O)
-        dq_ptr,                              # dq [B, Hq, T, D] FP32, zeroed: every key block adds (if ATOMIC_DQ)
+        dq_desc,                             # TMA descriptor: FP32 dq [B*Hq*T, D], zeroed (if ATOMIC_DQ)
         dk_ptr, dv_ptr,                      # dk and dv [B, Hkv, S, D], like k
         T, S, Hq, Hkv,                       # queries, keys, query heads, KV heads
         query_offset,                        # absolute position of query 0
@@ -200,6 +217,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         v_smem = gl.allocate_shared_memory(dtype, [2, HALF_N, D], v_desc.layout)
         ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF_N], ds_layout)   # 2 x both halves' dS
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF_N], ds_layout)    # each half's P
+        if ATOMIC_DQ:   # each half's dQ, from where TMA adds it into dq
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D // 2], dq_desc.layout)
+        else:
+            dq_smem = p_smem                                                          # not used
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -215,13 +236,13 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         fence_async_shared()
 
         gl.warp_specialize([
-            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
-                             lse_ptr, delta_ptr,
-                             dq_ptr, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
+            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, full, empty,
+                             ds_ready, ds_free, lse_ptr, delta_ptr,
+                             dq_desc, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
                              qk_scale, sm_scale, 0, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
-            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, full, empty, ds_ready, ds_free,
-                             lse_ptr, delta_ptr,
-                             dq_ptr, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
+            (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, full, empty,
+                             ds_ready, ds_free, lse_ptr, delta_ptr,
+                             dq_desc, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
                              qk_scale, sm_scale, 1, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
             (_dkdv_load, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, full, empty,
                           T, kv_row, bh0, m_start, n_m, group, HALF_N, BLOCK_M, D, STAGES)),
@@ -372,18 +393,27 @@ def _descriptor(x, rows):
     return GluonDescriptor.from_tensor(x.view(-1, x.shape[-1]), [rows, x.shape[-1]], layout)
 
 
-def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_dq=False, fallback=True):
+def _dq_descriptor(dq32):
+    """A TMA descriptor over the FP32 dq [..., T, D] in blocks of [BWD_BLOCK_M, D/2]: a consumer's share of a tile."""
+    D = dq32.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK_M, D // 2], gl.float32)
+    return GluonDescriptor.from_tensor(dq32.view(-1, D), [BWD_BLOCK_M, D // 2], layout)
+
+
+def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_dq=None, fallback=True):
     """(dq, dk, dv) of attention on a Hopper GPU, given the forward's o and lse [B, Hq, T] and the output's
-    gradient do: the dK/dV kernel, then the dQ kernel (or, with atomic_dq=True, dq added by atomics inside the
-    dK/dV kernel). Shapes and dtypes as in 06's flash_attention_backward; dk and dv are summed over the query
-    heads that share them. Where the kernels do not apply, 06's flash_attention_backward; fallback=False raises
-    instead."""
+    gradient do: the dK/dV kernel, then the dQ kernel, or with atomic_dq=True the dK/dV kernel alone, adding dq
+    into FP32 by TMA (None: the latter from T = ONE_KERNEL_FROM_T). Shapes and dtypes as in 06's
+    flash_attention_backward; dk and dv are summed over the query heads that share them. Where the kernels do not
+    apply, 06's flash_attention_backward; fallback=False raises instead."""
     refusal = _backward_refusal(q, k, causal, query_offset)
     if refusal is not None:
         if not fallback:
             raise refusal
-        return flash_attention_backward(q, k, v, o, lse, do, query_offset, causal, atomic_dq=atomic_dq)
+        return flash_attention_backward(q, k, v, o, lse, do, query_offset, causal, atomic_dq=bool(atomic_dq))
     B, Hq, T, D = q.shape
+    if atomic_dq is None:
+        atomic_dq = T >= ONE_KERNEL_FROM_T
     Hkv, S = k.shape[1], k.shape[2]
     query_offset = S - T if query_offset is None else int(query_offset)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
@@ -391,11 +421,15 @@ def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_
     delta = backward_delta(o, do)                                        # [B, Hq, T], 06's kernel
     scales = (LOG2E / math.sqrt(D), 1.0 / math.sqrt(D))
     dk, dv = torch.empty_like(k), torch.empty_like(v)                    # [B, Hkv, S, D]
-    dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dk   # [B, Hq, T, D]
+    if atomic_dq:
+        dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32)                # [B, Hq, T, D]
+        dq_desc = _dq_descriptor(dq32)
+    else:
+        dq_desc = _descriptor(q, BWD_BLOCK_M)                            # not used
     ds_layout = _shared_layout([BWD_BLOCK_M, BWD_HALF_N], q.dtype)
     hopper_dkdv_kernel[(triton.cdiv(S, 2 * BWD_HALF_N), B * Hkv)](
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_HALF_N),
-        _descriptor(v, BWD_HALF_N), lse, delta, dq32, dk, dv, T, S, Hq, Hkv, query_offset, *scales, ds_layout,
+        _descriptor(v, BWD_HALF_N), lse, delta, dq_desc, dk, dv, T, S, Hq, Hkv, query_offset, *scales, ds_layout,
         D=D, BLOCK_M=BWD_BLOCK_M, HALF_N=BWD_HALF_N, STAGES=BWD_STAGES, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
         num_warps=4)
     if atomic_dq:
