@@ -48,6 +48,7 @@ BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the ba
 FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08: one-pass quantize, FP8 end to end
 FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the same, FP8 in step 5's Gluon schedule
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
+HOPPER_BACKWARD_FIRST = "benchmarks/results/2026-12-04-h200-hopper-backward.json"  # 08, step 8: its first version
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
 ARRANGEMENT = "benchmarks/results/2026-12-06-h100-backward-arrangement.json"  # 08, step 8: S^T or S, ping-pong
 TMA_DQ = "benchmarks/results/2026-12-06-h100-backward-tma-dq.json"    # 08, step 8: dQ added by TMA or atomics
@@ -343,24 +344,50 @@ _T8K_CAUSAL = dict(_BF16_D128, causal=True, t=8192)
 
 FIGURES: dict[str, Figure] = {
     # 08, step 8: the backward pass in Gluon
-    "hbwd.of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
-    "hbwd.of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
-    "hbwd.over_06_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon", "06 Triton")), 2),
-    "hbwd.over_06_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon", "06 Triton")), 2),
-    "hbwd.06_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "06 Triton", "SDPA cuDNN")), 2),
-    "hbwd.06_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "06 Triton", "SDPA cuDNN")), 2),
-    "hbwd.atomic_of_gluon_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon, atomic dQ", "Gluon")), 2),
-    "hbwd.atomic_of_gluon_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon, atomic dQ", "Gluon")), 2),
-    "hbwd.train_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(
+    "hbwd.of_cudnn_min": Figure(HOPPER_BACKWARD_FIRST, lambda d: min(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
+    "hbwd.of_cudnn_max": Figure(HOPPER_BACKWARD_FIRST, lambda d: max(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
+    "hbwd.over_06_min": Figure(HOPPER_BACKWARD_FIRST, lambda d: min(_backward_ratios(d, "Gluon", "06 Triton")), 2),
+    "hbwd.over_06_max": Figure(HOPPER_BACKWARD_FIRST, lambda d: max(_backward_ratios(d, "Gluon", "06 Triton")), 2),
+    "hbwd.06_of_cudnn_min": Figure(HOPPER_BACKWARD_FIRST, lambda d: min(
+        _backward_ratios(d, "06 Triton", "SDPA cuDNN")), 2),
+    "hbwd.06_of_cudnn_max": Figure(HOPPER_BACKWARD_FIRST, lambda d: max(
+        _backward_ratios(d, "06 Triton", "SDPA cuDNN")), 2),
+    "hbwd.atomic_of_gluon_min": Figure(HOPPER_BACKWARD_FIRST, lambda d: min(
+        _backward_ratios(d, "Gluon, atomic dQ", "Gluon")), 2),
+    "hbwd.atomic_of_gluon_max": Figure(HOPPER_BACKWARD_FIRST, lambda d: max(
+        _backward_ratios(d, "Gluon, atomic dQ", "Gluon")), 2),
+    "hbwd.train_of_cudnn_min": Figure(HOPPER_BACKWARD_FIRST, lambda d: min(_backward_ratios(
         d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
-    "hbwd.train_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(
+    "hbwd.train_of_cudnn_max": Figure(HOPPER_BACKWARD_FIRST, lambda d: max(_backward_ratios(
         d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
-    "hbwd.causal_16k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 16384)["Gluon bwd"]),
-    "hbwd.cudnn_causal_16k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 16384)["SDPA cuDNN bwd"]),
-    "hbwd.06_causal_16k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 16384)["06 Triton bwd"]),
-    "hbwd.gqa_of_cudnn": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 8192, kv_heads=8)["Gluon bwd"]
+    "hbwd.causal_16k": Figure(HOPPER_BACKWARD_FIRST, lambda d: _backward_row(d, 16384)["Gluon bwd"]),
+    "hbwd.cudnn_causal_16k": Figure(HOPPER_BACKWARD_FIRST, lambda d: _backward_row(d, 16384)["SDPA cuDNN bwd"]),
+    "hbwd.06_causal_16k": Figure(HOPPER_BACKWARD_FIRST, lambda d: _backward_row(d, 16384)["06 Triton bwd"]),
+    "hbwd.gqa_of_cudnn": Figure(HOPPER_BACKWARD_FIRST, lambda d: _backward_row(d, 8192, kv_heads=8)["Gluon bwd"]
                                 / _backward_row(d, 8192, kv_heads=8)["SDPA cuDNN bwd"], 2),
-    "hbwd.error_max_e3": Figure(HOPPER_BACKWARD, lambda d: 1e3 * max(r["Gluon error"] for r in d["rows"]), 0),
+    "hbwd.error_max_e3": Figure(HOPPER_BACKWARD_FIRST, lambda d: 1e3 * max(r["Gluon error"] for r in d["rows"]), 0),
+    "hbwd.now.one_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(
+        _backward_ratios(d, "Gluon, atomic dQ", "SDPA cuDNN")), 2),
+    "hbwd.now.one_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(
+        _backward_ratios(d, "Gluon, atomic dQ", "SDPA cuDNN")), 2),
+    "hbwd.now.two_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
+    "hbwd.now.two_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
+    "hbwd.now.one_over_two_1k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 1024)["Gluon, atomic dQ bwd"]
+                                       / _backward_row(d, 1024)["Gluon bwd"], 2),
+    "hbwd.now.one_over_two_from_4k_min": Figure(HOPPER_BACKWARD, lambda d: min(
+        r["Gluon, atomic dQ bwd"] / r["Gluon bwd"] for r in d["rows"] if r["t"] >= 4096), 2),
+    "hbwd.now.one_over_two_from_4k_max": Figure(HOPPER_BACKWARD, lambda d: max(
+        r["Gluon, atomic dQ bwd"] / r["Gluon bwd"] for r in d["rows"] if r["t"] >= 4096), 2),
+    "hbwd.now.over_06_min": Figure(HOPPER_BACKWARD, lambda d: min(
+        _backward_ratios(d, "Gluon, atomic dQ", "06 Triton")), 2),
+    "hbwd.now.over_06_max": Figure(HOPPER_BACKWARD, lambda d: max(
+        _backward_ratios(d, "Gluon, atomic dQ", "06 Triton")), 2),
+    "hbwd.now.train_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(
+        d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
+    "hbwd.now.train_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(
+        d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
+    "hbwd.now.error_max_e3": Figure(HOPPER_BACKWARD, lambda d: 
+        1e3 * max(r["Gluon, atomic dQ error"] for r in d["rows"]), 0),
     "hbwd.stand_over_transposed_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(d, "as they stand")), 2),
     "hbwd.stand_over_transposed_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(d, "as they stand")), 2),
     "hbwd.stand_of_cudnn_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(d, "as they stand", "SDPA cuDNN")), 2),
