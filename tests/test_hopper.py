@@ -582,7 +582,7 @@ def test_hopper_attention_train_runs_06s_kernels_where_gluon_cannot():
 
 
 def test_hopper_backward_report_and_plot_from_the_saved_run(tmp_path):
-    """The Gluon backward's saved H200 run: a table row per measured shape with its ratio to cuDNN (the committed
+    """The Gluon backward's saved run: a table row per measured shape with its ratio to cuDNN (the committed
     numbers), and a plot with one group of bars per implementation, written as a PNG."""
     import json
 
