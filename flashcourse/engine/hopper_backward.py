@@ -403,9 +403,10 @@ def _dq_descriptor(dq32):
 def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_dq=None, fallback=True):
     """(dq, dk, dv) of attention on a Hopper GPU, given the forward's o and lse [B, Hq, T] and the output's
     gradient do: the dK/dV kernel, then the dQ kernel, or with atomic_dq=True the dK/dV kernel alone, adding dq
-    into FP32 by TMA (None: the latter from T = ONE_KERNEL_FROM_T). Shapes and dtypes as in 06's
-    flash_attention_backward; dk and dv are summed over the query heads that share them. Where the kernels do not
-    apply, 06's flash_attention_backward; fallback=False raises instead."""
+    into FP32 by TMA (None: the latter from T = ONE_KERNEL_FROM_T), whose additions come in no fixed order, so
+    that dq can differ in its last bits from one run to the next (atomic_dq=False gives the same bits every time).
+    Shapes and dtypes as in 06's flash_attention_backward; dk and dv are summed over the query heads that share
+    them. Where the kernels do not apply, 06's flash_attention_backward; fallback=False raises instead."""
     refusal = _backward_refusal(q, k, causal, query_offset)
     if refusal is not None:
         if not fallback:
