@@ -370,6 +370,8 @@ FIGURES: dict[str, Figure] = {
         _backward_ratios(d, "Gluon, atomic dQ", "SDPA cuDNN")), 2),
     "hbwd.now.one_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(
         _backward_ratios(d, "Gluon, atomic dQ", "SDPA cuDNN")), 2),
+    "hbwd.now.one_of_cudnn_d64": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 8192, d=64)["Gluon, atomic dQ bwd"]
+                                        / _backward_row(d, 8192, d=64)["SDPA cuDNN bwd"], 2),
     "hbwd.now.two_of_cudnn_min": Figure(HOPPER_BACKWARD, lambda d: min(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
     "hbwd.now.two_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(d, "Gluon", "SDPA cuDNN")), 2),
     "hbwd.now.one_over_two_1k": Figure(HOPPER_BACKWARD, lambda d: _backward_row(d, 1024)["Gluon, atomic dQ bwd"]
@@ -414,7 +416,6 @@ FIGURES: dict[str, Figure] = {
     "hbwd.tma_over_two_from_4k_min": Figure(TMA_DQ, lambda d: min(_tma_dq(d, "TMA reduction", t_from=4096)), 2),
     "hbwd.tma_of_cudnn_min": Figure(TMA_DQ, lambda d: min(r["tma_of_cudnn"] for r in d["rows"]), 2),
     "hbwd.tma_of_cudnn_max": Figure(TMA_DQ, lambda d: max(r["tma_of_cudnn"] for r in d["rows"]), 2),
-    "hbwd.tma_of_cudnn_d64": Figure(TMA_DQ, lambda d: next(r["tma_of_cudnn"] for r in d["rows"] if r["d"] == 64), 2),
     "hbwd.gpt.course_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
     "hbwd.gpt.torch_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
     "hbwd.gpt.sdpa_range": Figure(TRAINING_HOPPER, lambda d: d["sdpa_seed_range"], 2),
