@@ -388,8 +388,8 @@ FIGURES: dict[str, Figure] = {
         d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
     "hbwd.now.train_of_cudnn_max": Figure(HOPPER_BACKWARD, lambda d: max(_backward_ratios(
         d, "hopper_attention_train", "SDPA cuDNN", "fwd+bwd")), 2),
-    "hbwd.now.error_max_e3": Figure(HOPPER_BACKWARD, lambda d: 
-        1e3 * max(r["Gluon, atomic dQ error"] for r in d["rows"]), 0),
+    "hbwd.now.error_max_e3": Figure(HOPPER_BACKWARD, lambda d: 1e3 * max(
+        r["Gluon, atomic dQ error"] for r in d["rows"]), 0),
     "hbwd.stand_over_transposed_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(d, "as they stand")), 2),
     "hbwd.stand_over_transposed_max": Figure(ARRANGEMENT, lambda d: max(_arrangement(d, "as they stand")), 2),
     "hbwd.stand_of_cudnn_min": Figure(ARRANGEMENT, lambda d: min(_arrangement(d, "as they stand", "SDPA cuDNN")), 2),

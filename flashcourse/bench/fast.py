@@ -819,16 +819,17 @@ def _prefill_cases(grid):
 
 
 def _time_row(row, impls, flops, rounds=1) -> None:
-    """row[name] = TFLOP/s of each implementation, NaN where one fails; with rounds > 1 the best of that many
-    rounds, the implementations taking turns, in reverse order every other round: neither a slow moment of the
-    GPU nor a place in the order favours one of them."""
+    """row[name] = TFLOP/s of each implementation (flops: one count for all, or a dict of counts by name), NaN
+    where one fails; with rounds > 1 the best of that many rounds, the implementations taking turns, in reverse
+    order every other round: neither a slow moment of the GPU nor a place in the order favours one of them."""
     order = list(impls)
     times = {name: [] for name in order}
     for round_ in range(rounds):
         for name in order if round_ % 2 == 0 else order[::-1]:
             times[name].append(_or_nan(_ms, impls[name]))
     for name in order:
-        row[name] = flops / min((ms for ms in times[name] if not math.isnan(ms)), default=math.nan) / 1e9
+        work = flops[name] if isinstance(flops, dict) else flops
+        row[name] = work / min((ms for ms in times[name] if not math.isnan(ms)), default=math.nan) / 1e9
 
 
 def _print_row(row, names, suffix="") -> None:

@@ -14,12 +14,11 @@ rounds over every implementation in turn, every other round in reverse order.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from flashcourse.bench import environment
-from flashcourse.bench.fast import _ms, _sdpa   # do_bench in milliseconds; SDPA held to one backend
+from flashcourse.bench.fast import _sdpa, _time_row   # SDPA held to one backend; the best of rounds in turn
 from flashcourse.bench.gradients import gradient_error
 from flashcourse.bench.reports import report_main, report_opening, report_parser, save_json
 
@@ -64,8 +63,8 @@ def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
             timings[f"{name} bwd"] = functools.partial(torch.autograd.grad, fn(qg, kg, vg), (qg, kg, vg), do,
                                                        retain_graph=True)
         timings[f"{name} fwd+bwd"] = functools.partial(_forward_backward, fn, qg, kg, vg, do)
-    for key, ms in _best_times(timings).items():
-        row[key] = (3.5 if key.endswith("fwd+bwd") else 2.5) * flops / ms / 1e9
+    work = {key: (3.5 if key.endswith("fwd+bwd") else 2.5) * flops for key in timings}
+    _time_row(row, timings, work, rounds=ROUNDS)
     print(f"  {'causal' if causal else 'full  '} D={d} T={t:5d} {Q_HEADS}/{kv_heads}: backward "
           + ", ".join(f"{n} {row[n + ' bwd']:.0f}" for n in BACKWARD)
           + f"; Gluon / cuDNN {row['Gluon bwd'] / row['SDPA cuDNN bwd']:.2f}, atomic dQ / cuDNN "
@@ -77,15 +76,6 @@ def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
 def _forward_backward(attention, q, k, v, do):
     """One training step's attention: the forward, then the gradients of q, k and v for the output's gradient do."""
     return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
-
-
-def _best_times(timings: dict) -> dict:
-    """The least of ROUNDS times (ms) of each function, all run in turn, every other round in reverse order."""
-    best = {}
-    for r in range(ROUNDS):
-        for name in timings if r % 2 == 0 else reversed(timings):
-            best[name] = min(best.get(name, math.inf), _ms(timings[name]))
-    return best
 
 
 def _measure_all(args) -> dict:
