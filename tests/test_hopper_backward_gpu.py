@@ -45,6 +45,16 @@ def _errors(got, want):
     return [float((a.double() - b).abs().max()) for a, b in zip(got, want)]
 
 
+def _assert_within_twice_06(got, q, k, v, o, lse, do, causal, offset, query_offset, where=""):
+    """Each of dq, dk, dv within twice the error of 06's Triton kernels (plus 2e-3) against float64 autograd."""
+    from flashcourse.engine.backward import flash_attention_backward
+
+    want = _float64_gradients(q, k, v, do, causal, query_offset)
+    bounds = _errors(flash_attention_backward(q, k, v, o, lse, do, offset, causal), want)
+    for name, error, bound in zip(("dq", "dk", "dv"), _errors(got, want), bounds):
+        assert error <= 2 * bound + 2e-3, f"{name}{where}: error {error:.2e}, 06's kernels {bound:.2e}"
+
+
 SHAPES = [  # (batch, Hq, Hkv, T, S, D, causal, query_offset)
     (2, 4, 4, 256, 256, 128, True, None), (1, 8, 2, 384, 384, 128, True, None), (1, 4, 1, 256, 512, 64, True, None),
     (2, 4, 2, 256, 384, 128, False, None), (1, 6, 2, 512, 256, 64, False, None), (1, 2, 1, 128, 512, 128, True, 100),
@@ -58,17 +68,14 @@ SHAPES = [  # (batch, Hq, Hkv, T, S, D, causal, query_offset)
 def test_hopper_backward_matches_float64(batch, q_heads, kv_heads, t, s, d, causal, offset, atomic_dq, dtype):
     """dq, dk and dv of the Gluon kernels within twice 06's Triton kernels' error (plus 2e-3) against float64
     autograd, given the same o and lse; the kernels ran (fallback=False)."""
-    from flashcourse.engine.backward import flash_attention_backward, flash_attention_lse
+    from flashcourse.engine.backward import flash_attention_lse
     from flashcourse.engine.hopper_backward import hopper_backward
 
     q, k, v, do = _inputs(batch, q_heads, kv_heads, t, s, d, dtype)
     query_offset = s - t if offset is None else offset
     o, lse = flash_attention_lse(q, k, v, query_offset, causal)
-    want = _float64_gradients(q, k, v, do, causal, query_offset)
     got = hopper_backward(q, k, v, o, lse, do, causal, offset, atomic_dq=atomic_dq, fallback=False)
-    triton_errors = _errors(flash_attention_backward(q, k, v, o, lse, do, offset, causal), want)
-    for name, error, bound in zip(("dq", "dk", "dv"), _errors(got, want), triton_errors):
-        assert error <= 2 * bound + 2e-3, f"{name}: error {error:.2e}, 06's kernels {bound:.2e}"
+    _assert_within_twice_06(got, q, k, v, o, lse, do, causal, offset, query_offset)
     assert [x.dtype for x in got] == [dtype] * 3 and got[1].shape == k.shape
 
 
@@ -78,7 +85,7 @@ def test_hopper_backward_default_runs_the_dq_kernel_below_one_kernel_from_t(t, m
     """By default the dQ kernel runs below ONE_KERNEL_FROM_T queries and not from there, where the dK/dV kernel
     adds dq by TMA: GQA 2, causal, D = 64, bf16, gradients within the bound above against float64."""
     from flashcourse.engine import hopper_backward as hb
-    from flashcourse.engine.backward import flash_attention_backward, flash_attention_lse
+    from flashcourse.engine.backward import flash_attention_lse
 
     launches = []
     kernel = hb.hopper_dq_kernel
@@ -93,10 +100,7 @@ def test_hopper_backward_default_runs_the_dq_kernel_below_one_kernel_from_t(t, m
     o, lse = flash_attention_lse(q, k, v, 0, True)
     got = hb.hopper_backward(q, k, v, o, lse, do, fallback=False)
     assert len(launches) == (t < hb.ONE_KERNEL_FROM_T), f"{len(launches)} launches of the dQ kernel at T = {t}"
-    want = _float64_gradients(q, k, v, do, True, 0)
-    for name, error, bound in zip(("dq", "dk", "dv"), _errors(got, want),
-                                  _errors(flash_attention_backward(q, k, v, o, lse, do, 0, True), want)):
-        assert error <= 2 * bound + 2e-3, f"{name} at T = {t}: error {error:.2e}, 06's kernels {bound:.2e}"
+    _assert_within_twice_06(got, q, k, v, o, lse, do, True, 0, 0, where=f" at T = {t}")
 
 
 @hopper_only
