@@ -537,14 +537,15 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     hopper_fwd_kernel does above: each holds wgmma and fits in shared memory, and only ATOMIC_DQ adds into dq, by TMA
     reductions (no atomics from registers). ptxas does not serialize the products for want of registers (its
     warning C7512, under which each wgmma waits for the one before), as Triton 3.6's did to the atomic kernel under
-    a causal mask at D = 128 while the kernel formed its products transposed."""
+    a causal mask at D = 128 while the kernel formed its products transposed, and would to dQ's product issued a
+    tile later at D = 128 (the kernel does that at D = 64 only)."""
     import json
     import os
     import subprocess
     import sys
 
-    configs = [("dkdv", 128, True, False), ("dkdv", 128, True, True), ("dkdv", 64, False, True), ("dq", 128, True, False),
-               ("dq", 64, False, False)]
+    configs = [("dkdv", 128, True, False), ("dkdv", 128, True, True), ("dkdv", 64, False, True), ("dkdv", 64, True, True),
+               ("dq", 128, True, False), ("dq", 64, False, False)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path),
                                                                              "TRITON_DUMP_PTXAS_LOG": "1"}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE_BACKWARD, json.dumps(configs)], capture_output=True,

@@ -75,17 +75,39 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
+    def _dq_product(ds_smem, k_smem, buf, HALF: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+        # This consumer's half of a query tile's dQ = dS K over both halves' keys (dS from buffer buf), issued and
+        # not awaited: [BLOCK_M, D/2] FP32
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, D // 2, 16])
+        dq = warpgroup_mma(ds_smem.index(2 * buf), k_smem.index(0).slice(HALF * (D // 2), D // 2, dim=1),
+                           gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
+        return warpgroup_mma(ds_smem.index(2 * buf + 1), k_smem.index(1).slice(HALF * (D // 2), D // 2, dim=1),
+                             dq, is_async=True)
+
+
+    @gluon.jit
+    def _dq_add(dq, dq_s, dq_desc, row, sm_scale, HALF: gl.constexpr, D: gl.constexpr):
+        # This consumer's half of a tile's dQ stored to dq_s (which the last addition has read: tma.store_wait)
+        # and added into dq at the tile's first row by one TMA reduction, done in L2 while the consumer goes on
+        dq_s.store(dq * sm_scale)                     # [BLOCK_M, D/2] FP32
+        fence_async_shared()
+        warpgroup_barrier()                                                   # dq_s stored by all 128 threads
+        tma_add(dq_desc, [row, HALF * (D // 2)], dq_s)
+
+
+    @gluon.jit
     def _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, dq_s, full, empty, ds_ready, ds_free,
-                   lse_ptr, delta_ptr, dq_desc, T, query_offset, first_key, bh, mt, t, dk, dv, qk_scale, sm_scale,
-                   HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr, MASK: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+                   lse_ptr, delta_ptr, dq_desc, T, query_offset, first_key, bh, mt, t, prev_row, dk, dv, qk_scale,
+                   sm_scale, HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr, MASK: gl.constexpr, ATOMIC_DQ: gl.constexpr, DEFER_DQ: gl.constexpr):
         # One query tile against the consumer's HALF_N keys: dK and dV updated and returned.
         # S and dP are computed as they stand (queries by keys): lse and delta are then two values a thread, and P
-        # and dS go through shared memory, where the dV and dK products read them transposed.
+        # and dS go through shared memory, where the dV and dK products read them transposed. With DEFER_DQ the
+        # last tile's dQ product (row prev_row) runs here, behind S and dP, while P is formed.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, HALF_N, 16])    # [BLOCK_M, HALF_N]
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, D // 2, 16])   # [BLOCK_M, D/2]
+        DQ_BEHIND: gl.constexpr = 2 if DEFER_DQ else 0   # products issued after dP: the last tile's dQ
         dtype: gl.constexpr = q_smem.dtype
         slot = t % STAGES
         q_s = q_smem.index(slot)                                             # [BLOCK_M, D]
@@ -94,16 +116,21 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         mbarrier.wait(full.index(slot), (t // STAGES) & 1)
         s = warpgroup_mma(q_s, k_half.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_s, v_half.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DEFER_DQ:
+            last_buf = (t + 1) % 2                                            # the last tile's dS
+            if t > 0:
+                mbarrier.wait(ds_ready.index(last_buf), ((t - 1) // 2) & 1)  # both halves of it stored
+            dq = _dq_product(ds_smem, k_smem, last_buf, HALF, BLOCK_M, D)    # at t = 0 no tile's: dropped below
         rows = mt * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         lse2 = gl.load(lse_ptr + bh * T + rows) * LOG2E_GL                    # natural log to log2 units
         delta = gl.load(delta_ptr + bh * T + rows)
-        s = warpgroup_mma_wait(1, deps=[s, q_s, k_half])[0]                   # S done, dP may still run
+        s = warpgroup_mma_wait(1 + DQ_BEHIND, deps=[s, q_s, k_half])[0]       # S done, dP may still run
         p = gl.exp2(s * qk_scale - lse2[:, None])                             # P [BLOCK_M, HALF_N]
         if MASK:                                                              # a tile the diagonal crosses
             keys = first_key + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, s_layout))
             p = gl.where(keys[None, :] <= rows[:, None] + query_offset, p, 0.0)
         p_s.store(p.to(dtype))                        # the last tile's dV product is done: waited at its end
-        dp = warpgroup_mma_wait(0, deps=[dp, do_s, v_half])[0]
+        dp = warpgroup_mma_wait(DQ_BEHIND, deps=[dp, do_s, v_half])[0]
         ds = (p * (dp - delta[:, None])).to(dtype)                            # dS [BLOCK_M, HALF_N]
         buf = 0
         if ATOMIC_DQ:                                 # dS double-buffered: the other half's dQ product reads it
@@ -117,21 +144,23 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         warpgroup_barrier()                                                   # P and dS stored by all 128 threads
         dv = warpgroup_mma(p_s.permute((1, 0)), do_s, dv, is_async=True)      # dV += P^T dO
         dk = warpgroup_mma(ds_s.permute((1, 0)), q_s, dk, is_async=True)      # dK += dS^T Q
-        if ATOMIC_DQ:  # dQ = dS K over both halves' keys: this warpgroup takes half of D's columns
+        if DEFER_DQ:
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            done = warpgroup_mma_wait(0, deps=[dv, dk, dq, q_s, do_s, p_s, ds_smem, k_smem])
+            dv, dk, dq = done[0], done[1], done[2]
+            mbarrier.arrive(empty.index(slot), count=1)
+            if t > 0:
+                mbarrier.arrive(ds_free.index(last_buf), count=1)
+                _dq_add(dq, dq_s, dq_desc, prev_row, sm_scale, HALF, D)
+        elif ATOMIC_DQ:  # dQ = dS K over both halves' keys: this warpgroup takes half of D's columns
             mbarrier.arrive(ds_ready.index(buf), count=1)
             mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)                  # and the other half's
-            dq = warpgroup_mma(ds_smem.index(2 * buf), k_smem.index(0).slice(HALF * (D // 2), D // 2, dim=1),
-                               gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout), use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds_smem.index(2 * buf + 1), k_smem.index(1).slice(HALF * (D // 2), D // 2, dim=1),
-                               dq, is_async=True)
+            dq = _dq_product(ds_smem, k_smem, buf, HALF, BLOCK_M, D)
             done = warpgroup_mma_wait(0, deps=[dv, dk, dq, q_s, do_s, p_s, ds_smem, k_smem])
             dv, dk, dq = done[0], done[1], done[2]
             mbarrier.arrive(ds_free.index(buf), count=1)
             mbarrier.arrive(empty.index(slot), count=1)
-            dq_s.store(dq * sm_scale)                 # [BLOCK_M, D/2] FP32
-            fence_async_shared()
-            warpgroup_barrier()                                               # dq_s stored by all 128 threads
-            tma_add(dq_desc, [bh * T + mt * BLOCK_M, HALF * (D // 2)], dq_s)  # added in L2 while the next tile runs
+            _dq_add(dq, dq_s, dq_desc, bh * T + mt * BLOCK_M, sm_scale, HALF, D)
         else:
             done = warpgroup_mma_wait(0, deps=[dv, dk, q_s, do_s, p_s, ds_s])
             dv, dk = done[0], done[1]
@@ -144,7 +173,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                       ds_free, lse_ptr, delta_ptr, dq_desc, dk_ptr, dv_ptr,
                       T, query_offset, kv_row, n0, bh0, m_start, n_m, group, qk_scale, sm_scale,
                       HALF: gl.constexpr, HALF_N: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
-                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr):
+                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr, DEFER_DQ: gl.constexpr):
         # One consumer warpgroup: HALF_N keys against every query tile, dK and dV in registers throughout; under a
         # causal mask the tiles the diagonal crosses in a loop of their own, so that the others carry no mask.
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -163,20 +192,31 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             m_split = gl.minimum(gl.maximum(gl.cdiv(first_key + HALF_N - 1 - query_offset, BLOCK_M), m_start), n_m)
         mbarrier.wait(kv_bar, 0)
         t = 0
+        prev_row = 0                            # with DEFER_DQ: the last tile's first row of dq
         for g in range(group):
             bh = bh0 + g
             for mt in range(m_start, m_split):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, dq_s, full, empty,
                                     ds_ready, ds_free, lse_ptr, delta_ptr, dq_desc, T, query_offset, first_key,
-                                    bh, mt, t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES,
-                                    True, ATOMIC_DQ)
+                                    bh, mt, t, prev_row, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D,
+                                    STAGES, True, ATOMIC_DQ, DEFER_DQ)
+                prev_row = bh * T + mt * BLOCK_M
                 t += 1
             for mt in range(m_split, n_m):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, k_half, v_half, p_s, ds_smem, dq_s, full, empty,
                                     ds_ready, ds_free, lse_ptr, delta_ptr, dq_desc, T, query_offset, first_key,
-                                    bh, mt, t, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D, STAGES,
-                                    False, ATOMIC_DQ)
+                                    bh, mt, t, prev_row, dk, dv, qk_scale, sm_scale, HALF, HALF_N, BLOCK_M, D,
+                                    STAGES, False, ATOMIC_DQ, DEFER_DQ)
+                prev_row = bh * T + mt * BLOCK_M
                 t += 1
+        if DEFER_DQ:
+            if t > 0:                                 # the last tile's dQ, which no next tile ran
+                last_buf = (t + 1) % 2
+                mbarrier.wait(ds_ready.index(last_buf), ((t - 1) // 2) & 1)
+                dq = _dq_product(ds_smem, k_smem, last_buf, HALF, BLOCK_M, D)
+                dq = warpgroup_mma_wait(0, deps=[dq, ds_smem, k_smem])[0]
+                tma.store_wait(0)
+                _dq_add(dq, dq_s, dq_desc, prev_row, sm_scale, HALF, D)
         if ATOMIC_DQ:
             tma.store_wait(0)                         # the last addition has read dq_s before the program ends
         out_rows = kv_row + HALF * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
@@ -201,6 +241,9 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
     ):
         # Program (key block, batch x KV head): 2 x HALF_N keys; T % BLOCK_M == 0 and S % (2 HALF_N) == 0.
         dtype: gl.constexpr = q_desc.dtype
+        # Each tile's dQ product issued in the next tile, behind its S and dP, at D = 64; at D = 128 the product's
+        # accumulator beside S, dP, dK and dV is more than a consumer's registers, and ptxas serializes wgmma
+        DEFER_DQ: gl.constexpr = ATOMIC_DQ and D == 64
         n0 = gl.program_id(0) * 2 * HALF_N
         bkv = gl.program_id(1)
         group = Hq // Hkv
@@ -239,11 +282,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, full, empty,
                              ds_ready, ds_free, lse_ptr, delta_ptr,
                              dq_desc, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
-                             qk_scale, sm_scale, 0, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
+                             qk_scale, sm_scale, 0, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ, DEFER_DQ)),
             (_dkdv_consume, (q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, full, empty,
                              ds_ready, ds_free, lse_ptr, delta_ptr,
                              dq_desc, dk_ptr, dv_ptr, T, query_offset, kv_row, n0, bh0, m_start, n_m, group,
-                             qk_scale, sm_scale, 1, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ)),
+                             qk_scale, sm_scale, 1, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ, DEFER_DQ)),
             (_dkdv_load, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, full, empty,
                           T, kv_row, bh0, m_start, n_m, group, HALF_N, BLOCK_M, D, STAGES)),
         ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
