@@ -52,6 +52,8 @@ HOPPER_BACKWARD_FIRST = "benchmarks/results/2026-12-04-h200-hopper-backward.json
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
 ARRANGEMENT = "benchmarks/results/2026-12-06-h100-backward-arrangement.json"  # 08, step 8: S^T or S, ping-pong
 TMA_DQ = "benchmarks/results/2026-12-06-h100-backward-tma-dq.json"    # 08, step 8: dQ added by TMA or atomics
+DQ_LATER = "benchmarks/results/2026-12-06-h100-backward-dq-later.json"  # 08, step 8: dQ's product a tile later
+BACKWARD_NCU = "benchmarks/results/2026-12-06-h100-backward-ncu.json"   # 08, step 8: Nsight Compute, causal D128 8k
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -310,6 +312,22 @@ def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int
     return next(r for r in data["rows"] if (r["t"], r["causal"], r["d"], r["kv_heads"]) == (t, causal, d, kv_heads))
 
 
+def _dq_later(data, causal: bool = True) -> list[float]:
+    """The one kernel with dQ's product a tile later over the kernel before it, the D = 64 rows of that run."""
+    return [r["best"]["one kernel, dQ a tile later"] / r["best"]["one kernel, dQ awaited in its tile"]
+            for r in data["rows"] if r["d"] == 64 and r["causal"] == causal]
+
+
+def _dq_later_scratch(data, column: str, over: str, d: int | None = None) -> list[float]:
+    """A scratch variant over the kernel of the time, the causal rows of the earlier run (at head dimension d)."""
+    return [r["best"][column] / r["best"][over] for r in data["scratch"] if r["causal"] and d in (None, r["d"])]
+
+
+def _ncu_kernel(data, name: str, nth: int = 0) -> dict:
+    """The nth kernel profiled whose name holds `name`."""
+    return [k for k in data["kernels"] if name in k["kernel"]][nth]
+
+
 def _arrangement(data, column: str, over: str = "transposed") -> list[float]:
     """One dK/dV arrangement's speed over another's, every row of step 8's H100 comparison (cuDNN: "SDPA cuDNN"),
     from the ratios to the transposed kernel that the run printed to three decimals (its TFLOP/s are rounded)."""
@@ -416,6 +434,25 @@ FIGURES: dict[str, Figure] = {
     "hbwd.tma_over_two_from_4k_min": Figure(TMA_DQ, lambda d: min(_tma_dq(d, "TMA reduction", t_from=4096)), 2),
     "hbwd.tma_of_cudnn_min": Figure(TMA_DQ, lambda d: min(r["tma_of_cudnn"] for r in d["rows"]), 2),
     "hbwd.tma_of_cudnn_max": Figure(TMA_DQ, lambda d: max(r["tma_of_cudnn"] for r in d["rows"]), 2),
+    "hbwd.later.over_awaited_min": Figure(DQ_LATER, lambda d: min(_dq_later(d)), 2),
+    "hbwd.later.over_awaited_max": Figure(DQ_LATER, lambda d: max(_dq_later(d)), 2),
+    "hbwd.later.over_awaited_full": Figure(DQ_LATER, lambda d: _dq_later(d, causal=False)[0], 2),
+    "hbwd.later.d128_min": Figure(DQ_LATER, lambda d: min(_dq_later_scratch(d, "defer", "one", 128)), 2),
+    "hbwd.later.d128_max": Figure(DQ_LATER, lambda d: max(_dq_later_scratch(d, "defer", "one", 128)), 2),
+    "hbwd.phases.min": Figure(DQ_LATER, lambda d: min(_dq_later_scratch(d, "phase one", "one")
+                                                     + _dq_later_scratch(d, "phase two", "two")), 2),
+    "hbwd.phases.max": Figure(DQ_LATER, lambda d: max(_dq_later_scratch(d, "phase one", "one")
+                                                     + _dq_later_scratch(d, "phase two", "two")), 2),
+    "hbwd.ncu.cudnn_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "flash_bprop")["tensor_pipe_pct"]),
+    "hbwd.ncu.one_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["tensor_pipe_pct"]),
+    "hbwd.ncu.dkdv_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv")["tensor_pipe_pct"]),
+    "hbwd.ncu.dq_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dq")["tensor_pipe_pct"]),
+    "hbwd.ncu.one_over_cudnn_time": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["duration_us"]
+                                           / _ncu_kernel(d, "flash_bprop")["duration_us"], 2),
+    "hbwd.ncu.cudnn_barrier": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "flash_bprop")["stalls_per_issue"][
+        "barrier"], 1),
+    "hbwd.ncu.one_barrier": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"][
+        "barrier"], 1),
     "hbwd.gpt.course_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
     "hbwd.gpt.torch_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
     "hbwd.gpt.sdpa_range": Figure(TRAINING_HOPPER, lambda d: d["sdpa_seed_range"], 2),
