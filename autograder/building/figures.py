@@ -323,6 +323,11 @@ def _dq_later_scratch(data, column: str, over: str, d: int | None = None) -> lis
     return [r["best"][column] / r["best"][over] for r in data["scratch"] if r["causal"] and d in (None, r["d"])]
 
 
+def _own_keys(data) -> list[float]:
+    """Each consumer adding its own keys' share of dQ over the shipped one kernel, the D = 128 rows."""
+    return [r["best"]["own keys"] / r["best"]["one kernel"] for r in data["own_keys"]["rows"] if r["d"] == 128]
+
+
 def _ncu_kernel(data, name: str, nth: int = 0) -> dict:
     """The nth kernel profiled whose name holds `name`."""
     return [k for k in data["kernels"] if name in k["kernel"]][nth]
@@ -439,6 +444,8 @@ FIGURES: dict[str, Figure] = {
     "hbwd.later.over_awaited_full": Figure(DQ_LATER, lambda d: _dq_later(d, causal=False)[0], 2),
     "hbwd.later.d128_min": Figure(DQ_LATER, lambda d: min(_dq_later_scratch(d, "defer", "one", 128)), 2),
     "hbwd.later.d128_max": Figure(DQ_LATER, lambda d: max(_dq_later_scratch(d, "defer", "one", 128)), 2),
+    "hbwd.own.min": Figure(DQ_LATER, lambda d: min(_own_keys(d)), 2),
+    "hbwd.own.max": Figure(DQ_LATER, lambda d: max(_own_keys(d)), 2),
     "hbwd.phases.min": Figure(DQ_LATER, lambda d: min(_dq_later_scratch(d, "phase one", "one")
                                                      + _dq_later_scratch(d, "phase two", "two")), 2),
     "hbwd.phases.max": Figure(DQ_LATER, lambda d: max(_dq_later_scratch(d, "phase one", "one")
