@@ -54,6 +54,7 @@ ARRANGEMENT = "benchmarks/results/2026-12-06-h100-backward-arrangement.json"  # 
 TMA_DQ = "benchmarks/results/2026-12-06-h100-backward-tma-dq.json"    # 08, step 8: dQ added by TMA or atomics
 DQ_LATER = "benchmarks/results/2026-12-06-h100-backward-dq-later.json"  # 08, step 8: dQ's product a tile later
 BACKWARD_NCU = "benchmarks/results/2026-12-06-h100-backward-ncu.json"   # 08, step 8: Nsight Compute, causal D128 8k
+FORWARD_NCU = "benchmarks/results/2026-12-06-h100-forward-ncu.json"     # 08: Nsight Compute, the forward at T = 1k, 4k
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -323,6 +324,12 @@ def _dq_later_scratch(data, column: str, over: str, d: int | None = None) -> lis
     return [r["best"][column] / r["best"][over] for r in data["scratch"] if r["causal"] and d in (None, r["d"])]
 
 
+def _forward_ncu(data, cudnn: bool, t: int = 1024, causal: bool = True) -> dict:
+    """cuDNN's forward kernel or hopper_fwd_kernel as profiled at T = t."""
+    return next(k for k in data["kernels"] if k["t"] == t and k["causal"] == causal
+                and ("cudnn" in k["kernel"]) == cudnn)
+
+
 def _own_keys(data) -> list[float]:
     """Each consumer adding its own keys' share of dQ over the shipped one kernel, the D = 128 rows."""
     return [r["best"]["own keys"] / r["best"]["one kernel"] for r in data["own_keys"]["rows"] if r["d"] == 128]
@@ -460,6 +467,10 @@ FIGURES: dict[str, Figure] = {
         "barrier"], 1),
     "hbwd.ncu.one_barrier": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"][
         "barrier"], 1),
+    "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, False)["duration_us"]
+                                            / _forward_ncu(d, True)["duration_us"], 2),
+    "hopper.ncu.tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, False)["tensor_pipe_pct"]),
+    "hopper.ncu.cudnn_tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, True)["tensor_pipe_pct"]),
     "hbwd.gpt.course_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
     "hbwd.gpt.torch_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
     "hbwd.gpt.sdpa_range": Figure(TRAINING_HOPPER, lambda d: d["sdpa_seed_range"], 2),
