@@ -55,6 +55,7 @@ TMA_DQ = "benchmarks/results/2026-12-06-h100-backward-tma-dq.json"    # 08, step
 DQ_LATER = "benchmarks/results/2026-12-06-h100-backward-dq-later.json"  # 08, step 8: dQ's product a tile later
 BACKWARD_NCU = "benchmarks/results/2026-12-06-h100-backward-ncu.json"   # 08, step 8: Nsight Compute, causal D128 8k
 FORWARD_NCU = "benchmarks/results/2026-12-06-h100-forward-ncu.json"     # 08: Nsight Compute, the forward at T = 1k, 4k
+TMA_STORE = "benchmarks/results/2026-12-06-h100-forward-tma-store.json"  # 08: o written by TMA, a scratch copy
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -330,6 +331,12 @@ def _forward_ncu(data, cudnn: bool, t: int = 1024, causal: bool = True) -> dict:
                 and ("cudnn" in k["kernel"]) == cudnn)
 
 
+def _tma_store(data, causal: bool, t: int, over: str = "main") -> float:
+    """The scratch kernel writing o by TMA over the kernel (or over cuDNN) at T = t."""
+    row = next(r for r in data["rows"] if r["causal"] == causal and r["t"] == t)
+    return row["best"]["o by TMA"] / row["best"][over]
+
+
 def _own_keys(data) -> list[float]:
     """Each consumer adding its own keys' share of dQ over the shipped one kernel, the D = 128 rows."""
     return [r["best"]["own keys"] / r["best"]["one kernel"] for r in data["own_keys"]["rows"] if r["d"] == 128]
@@ -467,6 +474,10 @@ FIGURES: dict[str, Figure] = {
         "barrier"], 1),
     "hbwd.ncu.one_barrier": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"][
         "barrier"], 1),
+    "hopper.tma_store.causal_1k": Figure(TMA_STORE, lambda d: _tma_store(d, True, 1024), 2),
+    "hopper.tma_store.causal_1k_of_cudnn": Figure(TMA_STORE, lambda d: _tma_store(d, True, 1024, "cuDNN"), 2),
+    "hopper.tma_store.full_1k": Figure(TMA_STORE, lambda d: _tma_store(d, False, 1024), 2),
+    "hopper.tma_store.causal_4k": Figure(TMA_STORE, lambda d: _tma_store(d, True, 4096), 2),
     "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, False)["duration_us"]
                                             / _forward_ncu(d, True)["duration_us"], 2),
     "hopper.ncu.tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, False)["tensor_pipe_pct"]),
