@@ -126,10 +126,15 @@ def _step_gain(before: str, after: str) -> Callable[[Any], float]:
     return lambda data: 100 * (_step(data, after) / _step(data, before) - 1)
 
 
+def _matches(record: dict, fields: dict) -> bool:
+    """Whether each of `fields` has the same value in record (a row of a results file, a profiled kernel)."""
+    return all(record[key] == value for key, value in fields.items())
+
+
 def _prefill(data, t_in=None, t_at_most=math.inf, **fields) -> list[dict]:
     """05's prefill rows whose fields equal `fields`, with T in t_in (when given) and T <= t_at_most."""
-    return [r for r in data["prefill"] if all(r[key] == value for key, value in fields.items())
-            and r["t"] <= t_at_most and (t_in is None or r["t"] in t_in)]
+    return [r for r in data["prefill"] if _matches(r, fields) and r["t"] <= t_at_most
+            and (t_in is None or r["t"] in t_in)]
 
 
 def _ratios(data, over: str, **where) -> list[float]:
@@ -247,7 +252,7 @@ def _second_over_first(data, choice: str, t_at_least: int = 0, t_at_most: float 
 
     first, second = HOPPER_CHOICES[choice][1]
     return [r[second] / r[first] for r in data[choice]
-            if t_at_least <= r["t"] <= t_at_most and all(r[key] == value for key, value in fields.items())]
+            if t_at_least <= r["t"] <= t_at_most and _matches(r, fields)]
 
 
 _three_over_two = functools.partial(_second_over_first, choice="consumers")   # three consumers over two
@@ -314,37 +319,18 @@ def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int
     return next(r for r in data["rows"] if (r["t"], r["causal"], r["d"], r["kv_heads"]) == (t, causal, d, kv_heads))
 
 
-def _dq_later(data, causal: bool = True) -> list[float]:
-    """The one kernel with dQ's product a tile later over the kernel before it, the D = 64 rows of that run."""
-    return [r["best"]["one kernel, dQ a tile later"] / r["best"]["one kernel, dQ awaited in its tile"]
-            for r in data["rows"] if r["d"] == 64 and r["causal"] == causal]
+def _best_ratios(rows, column: str, over: str, **match) -> list[float]:
+    """column's best TFLOP/s over `over`'s, each row of rows whose fields equal match's (causal=True, d=64, ...)."""
+    return [r["best"][column] / r["best"][over] for r in rows if _matches(r, match)]
 
 
-def _dq_later_scratch(data, column: str, over: str, d: int | None = None) -> list[float]:
-    """A scratch variant over the kernel of the time, the causal rows of the earlier run (at head dimension d)."""
-    return [r["best"][column] / r["best"][over] for r in data["scratch"] if r["causal"] and d in (None, r["d"])]
+_LATER, _AWAITED = "one kernel, dQ a tile later", "one kernel, dQ awaited in its tile"   # DQ_LATER's columns
+_T1K_CAUSAL = {"t": 1024, "causal": True}
 
 
-def _forward_ncu(data, cudnn: bool, t: int = 1024, causal: bool = True) -> dict:
-    """cuDNN's forward kernel or hopper_fwd_kernel as profiled at T = t."""
-    return next(k for k in data["kernels"] if k["t"] == t and k["causal"] == causal
-                and ("cudnn" in k["kernel"]) == cudnn)
-
-
-def _tma_store(data, causal: bool, t: int, over: str = "main") -> float:
-    """The scratch kernel writing o by TMA over the kernel (or over cuDNN) at T = t."""
-    row = next(r for r in data["rows"] if r["causal"] == causal and r["t"] == t)
-    return row["best"]["o by TMA"] / row["best"][over]
-
-
-def _own_keys(data) -> list[float]:
-    """Each consumer adding its own keys' share of dQ over the shipped one kernel, the D = 128 rows."""
-    return [r["best"]["own keys"] / r["best"]["one kernel"] for r in data["own_keys"]["rows"] if r["d"] == 128]
-
-
-def _ncu_kernel(data, name: str, nth: int = 0) -> dict:
-    """The nth kernel profiled whose name holds `name`."""
-    return [k for k in data["kernels"] if name in k["kernel"]][nth]
+def _ncu_kernel(data, name: str, nth: int = 0, **match) -> dict:
+    """The nth kernel profiled whose name holds `name` and whose fields equal match's (t=1024, causal=True)."""
+    return [k for k in data["kernels"] if name in k["kernel"] and _matches(k, match)][nth]
 
 
 def _arrangement(data, column: str, over: str = "transposed") -> list[float]:
@@ -453,17 +439,24 @@ FIGURES: dict[str, Figure] = {
     "hbwd.tma_over_two_from_4k_min": Figure(TMA_DQ, lambda d: min(_tma_dq(d, "TMA reduction", t_from=4096)), 2),
     "hbwd.tma_of_cudnn_min": Figure(TMA_DQ, lambda d: min(r["tma_of_cudnn"] for r in d["rows"]), 2),
     "hbwd.tma_of_cudnn_max": Figure(TMA_DQ, lambda d: max(r["tma_of_cudnn"] for r in d["rows"]), 2),
-    "hbwd.later.over_awaited_min": Figure(DQ_LATER, lambda d: min(_dq_later(d)), 2),
-    "hbwd.later.over_awaited_max": Figure(DQ_LATER, lambda d: max(_dq_later(d)), 2),
-    "hbwd.later.over_awaited_full": Figure(DQ_LATER, lambda d: _dq_later(d, causal=False)[0], 2),
-    "hbwd.later.d128_min": Figure(DQ_LATER, lambda d: min(_dq_later_scratch(d, "defer", "one", 128)), 2),
-    "hbwd.later.d128_max": Figure(DQ_LATER, lambda d: max(_dq_later_scratch(d, "defer", "one", 128)), 2),
-    "hbwd.own.min": Figure(DQ_LATER, lambda d: min(_own_keys(d)), 2),
-    "hbwd.own.max": Figure(DQ_LATER, lambda d: max(_own_keys(d)), 2),
-    "hbwd.phases.min": Figure(DQ_LATER, lambda d: min(_dq_later_scratch(d, "phase one", "one")
-                                                     + _dq_later_scratch(d, "phase two", "two")), 2),
-    "hbwd.phases.max": Figure(DQ_LATER, lambda d: max(_dq_later_scratch(d, "phase one", "one")
-                                                     + _dq_later_scratch(d, "phase two", "two")), 2),
+    "hbwd.later.over_awaited_min": Figure(DQ_LATER, lambda d: min(_best_ratios(
+        d["rows"], _LATER, _AWAITED, d=64, causal=True)), 2),
+    "hbwd.later.over_awaited_max": Figure(DQ_LATER, lambda d: max(_best_ratios(
+        d["rows"], _LATER, _AWAITED, d=64, causal=True)), 2),
+    "hbwd.later.over_awaited_full": Figure(DQ_LATER, lambda d: _best_ratios(
+        d["rows"], _LATER, _AWAITED, d=64, causal=False)[0], 2),
+    "hbwd.later.d128_min": Figure(DQ_LATER, lambda d: min(_best_ratios(d["scratch"], "defer", "one", causal=True,
+                                                                       d=128)), 2),
+    "hbwd.later.d128_max": Figure(DQ_LATER, lambda d: max(_best_ratios(d["scratch"], "defer", "one", causal=True,
+                                                                       d=128)), 2),
+    "hbwd.own.min": Figure(DQ_LATER, lambda d: min(_best_ratios(d["own_keys"]["rows"], "own keys", "one kernel",
+                                                                d=128)), 2),
+    "hbwd.own.max": Figure(DQ_LATER, lambda d: max(_best_ratios(d["own_keys"]["rows"], "own keys", "one kernel",
+                                                                d=128)), 2),
+    "hbwd.phases.min": Figure(DQ_LATER, lambda d: min(_best_ratios(d["scratch"], "phase one", "one", causal=True)
+                                                     + _best_ratios(d["scratch"], "phase two", "two", causal=True)), 2),
+    "hbwd.phases.max": Figure(DQ_LATER, lambda d: max(_best_ratios(d["scratch"], "phase one", "one", causal=True)
+                                                     + _best_ratios(d["scratch"], "phase two", "two", causal=True)), 2),
     "hbwd.ncu.cudnn_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "flash_bprop")["tensor_pipe_pct"]),
     "hbwd.ncu.one_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["tensor_pipe_pct"]),
     "hbwd.ncu.dkdv_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv")["tensor_pipe_pct"]),
@@ -474,14 +467,20 @@ FIGURES: dict[str, Figure] = {
         "barrier"], 1),
     "hbwd.ncu.one_barrier": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"][
         "barrier"], 1),
-    "hopper.tma_store.causal_1k": Figure(TMA_STORE, lambda d: _tma_store(d, True, 1024), 2),
-    "hopper.tma_store.causal_1k_of_cudnn": Figure(TMA_STORE, lambda d: _tma_store(d, True, 1024, "cuDNN"), 2),
-    "hopper.tma_store.full_1k": Figure(TMA_STORE, lambda d: _tma_store(d, False, 1024), 2),
-    "hopper.tma_store.causal_4k": Figure(TMA_STORE, lambda d: _tma_store(d, True, 4096), 2),
-    "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, False)["duration_us"]
-                                            / _forward_ncu(d, True)["duration_us"], 2),
-    "hopper.ncu.tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, False)["tensor_pipe_pct"]),
-    "hopper.ncu.cudnn_tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _forward_ncu(d, True)["tensor_pipe_pct"]),
+    "hopper.tma_store.causal_1k": Figure(TMA_STORE, lambda d: _best_ratios(
+        d["rows"], "o by TMA", "main", causal=True, t=1024)[0], 2),
+    "hopper.tma_store.causal_1k_of_cudnn": Figure(TMA_STORE, lambda d: _best_ratios(
+        d["rows"], "o by TMA", "cuDNN", causal=True, t=1024)[0], 2),
+    "hopper.tma_store.full_1k": Figure(TMA_STORE, lambda d: _best_ratios(
+        d["rows"], "o by TMA", "main", causal=False, t=1024)[0], 2),
+    "hopper.tma_store.causal_4k": Figure(TMA_STORE, lambda d: _best_ratios(
+        d["rows"], "o by TMA", "main", causal=True, t=4096)[0], 2),
+    "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "hopper_fwd", **_T1K_CAUSAL)[
+        "duration_us"] / _ncu_kernel(d, "cudnn", **_T1K_CAUSAL)["duration_us"], 2),
+    "hopper.ncu.tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "hopper_fwd", **_T1K_CAUSAL)[
+        "tensor_pipe_pct"]),
+    "hopper.ncu.cudnn_tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "cudnn", **_T1K_CAUSAL)[
+        "tensor_pipe_pct"]),
     "hbwd.gpt.course_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["gap_per_seed"]), 3),
     "hbwd.gpt.torch_gap_max": Figure(TRAINING_HOPPER, lambda d: max(abs(g) for g in d["torch_kernels_gap_per_seed"]), 3),
     "hbwd.gpt.sdpa_range": Figure(TRAINING_HOPPER, lambda d: d["sdpa_seed_range"], 2),
