@@ -437,7 +437,7 @@ def descriptor(x, block, dtype):
     return fk.GluonDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap in json.loads(sys.argv[1]):
+for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_store in json.loads(sys.argv[1]):
     torch_dtype, dtype = (torch.float8_e4m3fn, gl.float8e4nv) if fp8 else (torch.bfloat16, gl.bfloat16)
     q_desc = descriptor(torch.empty(512, d, dtype=torch_dtype), [64, d], dtype)
     k_desc = descriptor(torch.empty(256, d, dtype=torch_dtype), [fk.HOPPER_BLOCK_N, d], dtype)
@@ -448,10 +448,13 @@ for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap in json.
         scales, scales, torch.zeros(1, dtype=torch.int32), 256, 256, 2, 1, 2, 0, 2, 2, 0.1, D=d,
         BLOCK_N=fk.HOPPER_BLOCK_N, STAGES=3 if fp8 else fk.HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
         PERSISTENT=persistent, STORE_LSE=store_lse, FP8=fp8, P_SHIFT=8 if fp8 else 0, CONSUMERS=consumers,
-        OVERLAP=overlap, num_warps=4, grid=(1,))
+        OVERLAP=overlap, TMA_STORE=tma_store,
+        o_desc=descriptor(torch.empty(512, d, dtype=torch.bfloat16), [64, d], gl.bfloat16) if tma_store else None,
+        num_warps=4, grid=(1,))
     ptx = compiled.asm["ptx"]
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
                     "e4m3": ptx.count(".e4m3.e4m3"), "shared": compiled.metadata.shared,
+                    "tma_stores": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
                     "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                                      ptx)})})
 print(json.dumps(results))
@@ -463,16 +466,19 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     the target, Triton's own ptxas assembles it, in a fresh cache): a Gluon name that moved, as the TMA load did in
     Triton 3.9, fails here before it fails on a Hopper. Each binary holds wgmma (on e4m3 tiles where FP8, and only
     there), fits in shared memory and gives its consumers 232 registers, or 160 when there are three; with
-    the overlap across items too."""
+    the overlap across items too, and o written by TMA copies (and only there), the overlap's two Q buffers and
+    o's buffers side by side being the most shared memory any schedule asks for."""
     import json
     import os
     import subprocess
     import sys
 
-    configs = [(128, True, True, True, False, False, 2, False), (64, False, False, False, True, False, 2, False),
-               (128, False, True, False, True, False, 2, True), (128, True, False, True, False, True, 2, False),
-               (64, False, True, False, True, True, 2, True), (64, True, True, True, False, False, 3, False),
-               (64, True, False, False, True, False, 3, True), (128, True, True, True, True, False, 2, True)]
+    configs = [  # D, causal, pingpong, persistent, STORE_LSE, FP8, consumers, overlap, TMA_STORE
+        (128, True, True, True, False, False, 2, False, False), (64, False, False, False, True, False, 2, False, True),
+        (128, False, True, False, True, False, 2, True, False), (128, True, False, True, False, True, 2, False, False),
+        (64, False, True, False, True, True, 2, True, False), (64, True, True, True, False, False, 3, False, True),
+        (64, True, False, False, True, False, 3, True, False), (128, True, True, True, True, False, 2, True, True),
+        (128, True, False, True, False, False, 2, True, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(configs)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -485,6 +491,7 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         assert result["cubin"] > 0 and result["wgmma"] >= 4, (config, result)
         assert (result["e4m3"] == result["wgmma"]) if config[5] else not result["e4m3"], (config, result)
         assert result["shared"] <= 227 * 1024, (config, result)
+        assert (result["tma_stores"] > 0) == config[8], (config, result)
         consumer_registers, other = (160, 232) if config[6] == 3 else (232, 160)
         assert consumer_registers in result["registers"] and other not in result["registers"], (config, result)
 

@@ -23,6 +23,8 @@ try:  # Gluon, Triton's lower-level layer (Triton 3.5 and later): explicit warps
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_write = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global   # the same for the store
+    warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier   # thread_barrier up to Triton 3.6
 except ImportError:  # an older Triton: hopper_attention says so when called, everything else works
     gluon = None
 
@@ -224,15 +226,27 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
-    def _hopper_store(acc, l, m, bh, rows0, o_ptr, lse_ptr, T, WG_M: gl.constexpr, o_layout: gl.constexpr,
-                      row_layout: gl.constexpr, STORE_LSE: gl.constexpr, P_SHIFT: gl.constexpr):
+    def _hopper_store(acc, l, m, bh, rows0, o_ptr, lse_ptr, o_desc, o_s, T, WG_M: gl.constexpr,
+                      o_layout: gl.constexpr, row_layout: gl.constexpr, STORE_LSE: gl.constexpr,
+                      P_SHIFT: gl.constexpr, TMA_STORE: gl.constexpr):
         # An item's output rows: o = acc / l, and where asked lse = (m + log2(l)) · ln(2): m is in log2 units, l
-        # carries 2^P_SHIFT, every row sees a key
+        # carries 2^P_SHIFT, every row sees a key. With TMA_STORE o goes to this consumer's buffer o_s and from
+        # there by one TMA copy, which the consumer does not wait for (only before it next fills o_s): wide
+        # writes, where each thread's own store would write two values at a time.
         l_o = gl.convert_layout(l, gl.SliceLayout(1, o_layout))
         out = (acc / l_o[:, None]).to(o_ptr.dtype.element_ty)
-        rows = rows0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
-        gl.store(o_ptr + (bh * T + rows)[:, None] * acc.shape[1] + cols[None, :], out, mask=(rows < T)[:, None])
+        if TMA_STORE:
+            tma.store_wait(0)                         # the last item's copy has read o_s
+            if rows0 < T:                             # T % 64 == 0: a consumer's rows lie all before T or all after
+                o_s.store(out)
+                fence_async_shared()
+                warpgroup_barrier()                   # o_s stored by all 128 threads before the copy reads it
+                tma_write(o_desc, [bh * T + rows0, 0], o_s)
+        else:
+            rows = rows0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_layout))
+            gl.store(o_ptr + (bh * T + rows)[:, None] * acc.shape[1] + cols[None, :], out,
+                     mask=(rows < T)[:, None])
         if STORE_LSE:
             lse_rows = rows0 + gl.arange(0, WG_M, layout=row_layout)
             gl.store(lse_ptr + bh * T + lse_rows, (m + gl.log2(l) - P_SHIFT) * 0.6931471805599453,
@@ -242,11 +256,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _hopper_consume(q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                         item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                        query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale,
+                        query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem,
                         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                         STORE_LSE: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
-                        CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr):
+                        CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, TMA_STORE: gl.constexpr):
         # One consumer warpgroup: WG_M query rows of each item against its K/V tiles. Per tile j it issues
         # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
         # tensor cores. OVERLAP does the same across items: the next item's first S goes with this item's last
@@ -375,11 +389,13 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 k += 1
             acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(last)])[0]
             mbarrier.arrive(v_empty.index(last), count=1)
-            _hopper_store(acc, l_out, m_out, bh_out, rows_out, o_ptr, lse_ptr, T, WG_M, o_layout, row_layout,
-                          STORE_LSE, P_SHIFT)
+            _hopper_store(acc, l_out, m_out, bh_out, rows_out, o_ptr, lse_ptr, o_desc, o_smem.index(WG), T, WG_M,
+                          o_layout, row_layout, STORE_LSE, P_SHIFT, TMA_STORE)
             if not OVERLAP:
                 mbarrier.wait(q_bar.index(0), done & 1)
                 item = _hopper_get_item(item_0, item_1, 0)
+        if TMA_STORE:
+            tma.store_wait(0)                         # the last copy has read o_s before the program ends
 
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
@@ -405,6 +421,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         P_SHIFT: gl.constexpr = 0,               # FP8: P computed as 2^P_SHIFT · P
         CONSUMERS: gl.constexpr = 2,             # consumer warpgroups, WG_M query rows each (3: D = 64, not FP8)
         OVERLAP: gl.constexpr = False,           # the next item's first S beside this item's last P V
+        TMA_STORE: gl.constexpr = False,         # o through shared memory by TMA (T % 64 == 0)
+        o_desc=None,                             # TMA_STORE: TMA descriptor of o [B*Hq*T, D] by 64 rows
     ):
         Q_BUFFERS: gl.constexpr = 2 if OVERLAP else 1
         WG_M: gl.constexpr = 64
@@ -426,6 +444,11 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        if TMA_STORE:   # each consumer's last item's o, from where TMA writes it
+            o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, WG_M, D], o_desc.layout)
+        else:           # neither is used
+            o_smem = q_smem
+            o_desc = q_desc
         item_0 = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # Q buffer 0's item
         item_1 = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))   # and buffer 1's
         for b in gl.static_range(Q_BUFFERS):
@@ -444,12 +467,14 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             gl.warp_specialize([
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 0, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 0, WG_M,
+                                   BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
+                                   TMA_STORE)),
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 1, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 1, WG_M,
+                                   BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
+                                   TMA_STORE)),
                 (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                                 k_empty, v_empty, item_0, item_1, queue_ptr, T, S, Hq, Hkv, query_offset, n_m,
                                 n_items, WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS, Q_BUFFERS)),
@@ -458,16 +483,19 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             gl.warp_specialize([
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 0, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 0, WG_M,
+                                   BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
+                                   TMA_STORE)),
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 1, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 1, WG_M,
+                                   BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
+                                   TMA_STORE)),
                 (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
-                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, 2, WG_M, BLOCK_N, D,
-                                   STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP)),
+                                   query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 2, WG_M,
+                                   BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
+                                   TMA_STORE)),
                 (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                                 k_empty, v_empty, item_0, item_1, queue_ptr, T, S, Hq, Hkv, query_offset, n_m,
                                 n_items, WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS, Q_BUFFERS)),
@@ -513,12 +541,13 @@ def _hopper_refusal(q, k, causal, query_offset):
 
 
 def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, consumers=None,
-                     overlap=None, fallback=True):
+                     overlap=None, tma_store=None, fallback=True):
     """FlashAttention-3's forward schedule on a Hopper GPU, written in Gluon: a producer warp loads Q, K and
     V by TMA; two consumer warpgroups (three at D = 64, where hopper_consumers chooses them) take 64 query rows
     each. q [B, Hq, T, D], k and v [B, Hkv, S, D], bf16 or fp16, D 64 or 128, any T and S. Returns
     o [B, Hq, T, D]. persistent, pingpong, consumers and overlap left None are hopper_schedule's,
-    hopper_consumers' and hopper_overlap's choices.
+    hopper_consumers' and hopper_overlap's choices; tma_store (o written through shared memory by TMA) left None
+    is taken where T is a multiple of 64.
 
     Where the schedule does not apply (another dtype, D or T, a query before key 0, no Gluon, not a Hopper GPU)
     it returns step 7's `attention` for the same inputs, which takes any head dimension, so a caller need not
@@ -530,12 +559,12 @@ def hopper_attention(q, k, v, causal=True, query_offset=None, persistent=None, p
         from flashcourse.engine.any_input import attention  # which imports this module
 
         return attention(q, k, v, causal=causal, query_offset=query_offset)
-    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap,
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, tma_store,
                           store_lse=False)[0]
 
 
 def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=None, pingpong=None, consumers=None,
-                         overlap=None, fallback=True):
+                         overlap=None, tma_store=None, fallback=True):
     """(o, lse): hopper_attention's o and each row's log-sum-exp [B, Hq, T] in FP32 (natural log), as 05's
     fast_attention_lse returns them, for any T. Where the schedule does not apply, step 7's
     `attention_lse`."""
@@ -546,10 +575,11 @@ def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=Non
         from flashcourse.engine.any_input import attention_lse  # which imports this module
 
         return attention_lse(q, k, v, causal=causal, query_offset=query_offset)
-    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, store_lse=True)
+    return _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, tma_store,
+                          store_lse=True)
 
 
-def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, store_lse):
+def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, tma_store, store_lse):
     """(o, lse or None): hopper_fwd_kernel on inputs its schedule takes."""
     _check_inputs(q, k, v)
     B, Hq, T, D = q.shape
@@ -560,9 +590,13 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     pingpong = default_pingpong if pingpong is None else pingpong
     consumers = hopper_consumers(T, D, causal) if consumers is None else consumers
     overlap = hopper_overlap(T, D, causal) if overlap is None else overlap
+    tma_store = T % 64 == 0 if tma_store is None else tma_store
     if consumers not in (2, 3) or (consumers == 3 and D != 64):
         raise ValueError(f"hopper_attention runs 2 consumer warpgroups, or 3 at D = 64 (at D = 128 three would "
                          f"spill their accumulators); got consumers={consumers}, D = {D}")
+    if tma_store and T % 64:
+        raise ValueError(f"hopper_attention writes o by TMA where T is a multiple of 64 (a copy of 64 rows would "
+                         f"run into the next head's); got T = {T}")
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
@@ -578,9 +612,12 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     items = triton.cdiv(T, HOPPER_BLOCK_M // 2 * consumers) * B * Hq
     programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
     queue = torch.zeros(1, dtype=torch.int32, device=q.device)
+    o_desc = None
+    if tma_store:   # o's rows as q's, in blocks of a consumer's 64
+        o_desc = GluonDescriptor.from_tensor(o.view(B * Hq * T, D), [HOPPER_BLOCK_M // 2, D], q_layout)
     hopper_fwd_kernel[(programs,)](
         q_desc, k_desc, v_desc, o, o if lse is None else lse, o, o, o, queue, T, S, Hq, Hkv, B * Hq, query_offset,
         0, 0, LOG2E / math.sqrt(D), D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
-        PERSISTENT=persistent, STORE_LSE=store_lse, CONSUMERS=consumers, OVERLAP=overlap,
-        num_warps=4)
+        PERSISTENT=persistent, STORE_LSE=store_lse, CONSUMERS=consumers, OVERLAP=overlap, TMA_STORE=tma_store,
+        o_desc=o_desc, num_warps=4)
     return o, lse

@@ -23,7 +23,7 @@ if gluon is not None:
                                                                  warpgroup_mma_wait)
     gl, tma_load, GluonDescriptor = step5.gl, step5.tma_load, step5.GluonDescriptor
     LOG2E_GL = gl.constexpr(LOG2E)   # log2(e) as a constant the kernels can read
-    warpgroup_barrier = getattr(gl, "barrier", None) or gl.thread_barrier   # thread_barrier in 3.6
+    warpgroup_barrier = step5.warpgroup_barrier
     tma = step5.tma
     if hasattr(tma, "async_atomic_add"):
         tma_add = tma.async_atomic_add
