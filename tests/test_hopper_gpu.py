@@ -146,6 +146,33 @@ def test_hopper_attention_overlap(persistent, pingpong, batch, q_heads, kv_heads
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
                     reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("persistent, pingpong, overlap", [(False, False, False), (True, True, False),
+                                                           (True, False, True)])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal, dtype", [
+    (2, 8, 2, 1024, 1024, 128, True, torch.bfloat16),    # GQA 4, several items per program when persistent
+    (1, 8, 8, 320, 1000, 64, True, torch.bfloat16),      # T % 128 == 64: the last item's second consumer has no rows
+    (2, 4, 2, 192, 777, 128, False, torch.float16),      # not causal, fp16, S not a multiple of a tile
+    (2, 4, 4, 4096, 4096, 64, True, torch.bfloat16),     # three consumers (hopper_consumers' choice)
+])
+def test_hopper_attention_tma_store(persistent, pingpong, overlap, batch, q_heads, kv_heads, t, s, d, causal, dtype):
+    """o written through shared memory by TMA copies gives the threads' own stores' o and lse bit for bit: a copy
+    to the wrong rows, one that writes a consumer's rows past T into the next head, or a buffer refilled before
+    its copy read it, differs. T not a multiple of 64 is refused, with the reason."""
+    from flashcourse.bench.fast import _inputs
+
+    q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, dtype, seed=t + s)
+    schedule = dict(causal=causal, persistent=persistent, pingpong=pingpong, overlap=overlap, fallback=False)
+    o, lse = hopper_attention_lse(q, k, v, tma_store=False, **schedule)
+    o_tma, lse_tma = hopper_attention_lse(q, k, v, tma_store=True, **schedule)
+    assert torch.equal(o_tma, o), float((o_tma.float() - o.float()).abs().max())
+    assert torch.equal(lse_tma, lse)
+    assert torch.equal(hopper_attention(q, k, v, tma_store=True, **schedule), o)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        hopper_attention(q[:, :, :t - 1], k, v, tma_store=True, **schedule)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_attention needs a Hopper GPU and Triton's Gluon layer")
 def test_hopper_attention_refuses_three_consumers_at_d128():
     """At D = 128 three consumers would spill their accumulators: refused, with the reason."""
     from flashcourse.bench.fast import _inputs
