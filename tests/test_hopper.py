@@ -354,9 +354,9 @@ def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
     assert row["a"] == 1.0 and row["b"] == 0.25 and math.isnan(row["c"])
 
 
-@pytest.mark.parametrize("choice", ["consumers", "overlap"])
+@pytest.mark.parametrize("choice", ["consumers", "overlap", "tma_store"])
 def test_choice_report(choice):
-    """--consumers' and --overlap's table: one row per shape, the second setting over the first and each over
+    """--consumers', --overlap's and --tma-store's table: one row per shape, the second setting over the first and each over
     cuDNN from its columns."""
     from flashcourse.bench.fast import HOPPER_CHOICES, choice_report
 
@@ -374,11 +374,11 @@ def test_choice_report(choice):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
 def test_hopper_bench_refuses_a_cpu(capsys):
-    """--hopper, --consumers and --overlap measure nothing without a GPU and say so."""
+    """--hopper, --consumers, --overlap and --tma-store measure nothing without a GPU and say so."""
     from flashcourse.bench import GPU_NEEDED
     from flashcourse.bench.fast import main
 
-    for mode in ("--hopper", "--consumers", "--overlap"):
+    for mode in ("--hopper", "--consumers", "--overlap", "--tma-store"):
         assert main([mode]) == 1
         assert GPU_NEEDED in capsys.readouterr().out
 

@@ -1059,15 +1059,16 @@ OVERLAP_GRID = [  # the rows of PREFILL where items are short, and two long ones
     ("bf16", True, 128, 32, 8, (1024, 4096)),
     ("fp16", True, 128, 32, 32, (1024,)),
 ]
-HOPPER_CHOICES = {  # --consumers, --overlap: hopper_attention's keyword, its two settings (column -> value), grid
+HOPPER_CHOICES = {  # --consumers, --overlap, --tma-store: hopper_attention's keyword, its two settings, grid
     "consumers": ("consumers", {"2 consumers": 2, "3 consumers": 3}, CONSUMERS_GRID),
     "overlap": ("overlap", {"one item at a time": False, "overlap": True}, OVERLAP_GRID),
+    "tma_store": ("tma_store", {"o by threads": False, "o by TMA": True}, OVERLAP_GRID),
 }
 
 
-def prefill_choice(choice: str, rows=None, done=lambda: None) -> list[dict]:
+def prefill_choice(choice: str, rows=None, done=lambda: None, rounds=2) -> list[dict]:
     """hopper_attention with each of HOPPER_CHOICES[choice]'s two settings (the rest of its schedule its own),
-    with its own choice, and SDPA cuDNN and flash: TFLOP/s, the best of two rounds; and whether the second
+    with its own choice, and SDPA cuDNN and flash: TFLOP/s, the best of `rounds` rounds; and whether the second
     setting gave the first's o bit for bit."""
     from flashcourse.engine.hopper import hopper_attention
 
@@ -1077,7 +1078,8 @@ def prefill_choice(choice: str, rows=None, done=lambda: None) -> list[dict]:
         run = functools.partial(hopper_attention, q, k, v, causal=row["causal"], fallback=False)
         impls = {**sdpa, "hopper_attention": run,
                  **{name: functools.partial(run, **{keyword: value}) for name, value in settings.items()}}
-        _time_row(row, impls, flops, rounds=2)
+        _time_row(row, impls, flops, rounds=rounds)
+        row["rounds"] = rounds
         first, second = (impls[name]() for name in settings)
         row["identical"] = torch.equal(first, second)
         rows.append(row)
@@ -1090,13 +1092,15 @@ def choice_report(result: dict, choice: str) -> str:
     """--consumers' or --overlap's table as markdown."""
     keyword, settings, _ = HOPPER_CHOICES[choice]
     a, b = settings
+    rounds = {r.get("rounds", 2) for r in result[choice]}   # files measured before --rounds: two
     names = ["SDPA cuDNN", "SDPA flash", "hopper_attention", a, b]
     title = {"consumers": "hopper_attention at D = 64: two consumer warpgroups or three",
-             "overlap": "hopper_attention: one item at a time, or the next item's first S beside this one's last P V"}
+             "overlap": "hopper_attention: one item at a time, or the next item's first S beside this one's last P V",
+             "tma_store": "hopper_attention: o stored by the consumer's threads, or through shared memory by one TMA copy"}
     lines = report_opening(
         f"# {title[choice]}", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"two rounds, the second in reverse order. T = S, B x T = {TOKENS}; TFLOP/s = 2 B Hq T^2 D / time causal, "
+        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order. T = S, B x T = {TOKENS}; TFLOP/s = 2 B Hq T^2 D / time causal, "
         "4 B Hq T^2 D not causal. "
         f"'{a}' and '{b}' force hopper_attention's {keyword}= to {settings[a]} and {settings[b]}, the rest of the "
         f"schedule its own; hopper_attention is all its own choice. 'identical': '{b}' gave '{a}''s o bit for bit.")
@@ -1243,6 +1247,10 @@ def main(argv=None) -> int:
                         "warpgroups and with three, beside SDPA, in one process (--out, --json)")
     parser.add_argument("--overlap", action="store_true", help="hopper_attention one item at a time and with the "
                         "overlap across items, beside SDPA, in one process (--out, --json)")
+    parser.add_argument("--tma-store", action="store_true", help="hopper_attention with o stored by its threads and "
+                        "by TMA, beside SDPA, in one process (--out, --json)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --consumers, --overlap or --tma-store: the best "
+                        "of this many rounds (default 2)")
     parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
@@ -1258,7 +1266,7 @@ def main(argv=None) -> int:
         return 0
     measures_on_gpu = (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2
                        or args.hopper or args.decode_fused or args.hopper_lse or args.fp8_prepare or args.consumers
-                       or args.overlap)
+                       or args.overlap or args.tma_store)
     if measures_on_gpu and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
@@ -1275,7 +1283,7 @@ def main(argv=None) -> int:
         return _measure_main(args, "prefill", prefill_hopper, hopper_report)
     for choice in HOPPER_CHOICES:
         if getattr(args, choice):
-            return _measure_main(args, choice, functools.partial(prefill_choice, choice),
+            return _measure_main(args, choice, functools.partial(prefill_choice, choice, rounds=args.rounds),
                                  functools.partial(choice_report, choice=choice))
     if args.hopper_lse:
         save_json({"environment": environment(), "prefill": prefill_lse_forwards()}, args.json)
