@@ -56,6 +56,7 @@ DQ_LATER = "benchmarks/results/2026-12-06-h100-backward-dq-later.json"  # 08, st
 BACKWARD_NCU = "benchmarks/results/2026-12-06-h100-backward-ncu.json"   # 08, step 8: Nsight Compute, causal D128 8k
 FORWARD_NCU = "benchmarks/results/2026-12-06-h100-forward-ncu.json"     # 08: Nsight Compute, the forward at T = 1k, 4k
 TMA_STORE = "benchmarks/results/2026-12-06-h100-forward-tma-store.json"  # 08: o written by TMA, a scratch copy
+TMA_STORE_GRID = "benchmarks/results/2026-12-06-h100-hopper-tma-store.json"  # 08: the same in hopper_attention
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -257,6 +258,7 @@ def _second_over_first(data, choice: str, t_at_least: int = 0, t_at_most: float 
 
 _three_over_two = functools.partial(_second_over_first, choice="consumers")   # three consumers over two
 _overlap_gain = functools.partial(_second_over_first, choice="overlap")       # the overlap over one at a time
+_tma_store_gain = functools.partial(_second_over_first, choice="tma_store")   # o by TMA over the threads' stores
 
 
 def _overlap_repeats(data) -> list[float]:
@@ -657,6 +659,21 @@ FIGURES: dict[str, Figure] = {
     "hopper.overlap.repeat_worst_pct": Figure(OVERLAP, lambda d: 100 * max(abs(x - 1) for x in _overlap_repeats(d))),
     "hopper.overlap.identical": Figure(OVERLAP, lambda d: sum(r["identical"] for r in d["overlap"])),
     "hopper.overlap.rows": Figure(OVERLAP, lambda d: len(d["overlap"])),
+    "hopper.otma.causal_min": Figure(TMA_STORE_GRID, lambda d: min(_tma_store_gain(d, causal=True)), 2),
+    "hopper.otma.causal_max": Figure(TMA_STORE_GRID, lambda d: max(_tma_store_gain(d, causal=True)), 2),
+    "hopper.otma.causal_1k": Figure(TMA_STORE_GRID, lambda d: _tma_store_gain(
+        d, causal=True, t=1024, d=128, dtype="bf16", kv_heads=32)[0], 2),
+    "hopper.otma.full_min": Figure(TMA_STORE_GRID, lambda d: min(_tma_store_gain(d, causal=False)), 2),
+    "hopper.otma.full_max": Figure(TMA_STORE_GRID, lambda d: max(_tma_store_gain(d, causal=False)), 2),
+    "hopper.otma.of_cudnn_min": Figure(TMA_STORE_GRID, lambda d: min(
+        r["o by TMA"] / r["SDPA cuDNN"] for r in d["tma_store"]), 2),
+    "hopper.otma.of_cudnn_max": Figure(TMA_STORE_GRID, lambda d: max(
+        r["o by TMA"] / r["SDPA cuDNN"] for r in d["tma_store"]), 2),
+    # hopper_attention's own column runs the 'o by TMA' kernel wherever T % 64 == 0: the run's repeat spread
+    "hopper.otma.repeat_worst_pct": Figure(TMA_STORE_GRID, lambda d: 100 * max(
+        abs(r["hopper_attention"] / r["o by TMA"] - 1) for r in d["tma_store"] if r["t"] % 64 == 0)),
+    "hopper.otma.identical": Figure(TMA_STORE_GRID, lambda d: sum(r["identical"] for r in d["tma_store"])),
+    "hopper.otma.rows": Figure(TMA_STORE_GRID, lambda d: len(d["tma_store"])),
     # 08, step 5: the versions before hopper_attention, bf16 causal D = 128 T = 16k unless named (each its own run)
     **_version_figures(1, causal_16k=(CAUSAL_16K, 0), cudnn_16k=(CUDNN, 0), fast_16k=(FAST_SAME_RUN, 0)),
     **_version_figures(2, causal_16k_2_stages=(CAUSAL_16K, 0), causal_16k_3_stages=(CAUSAL_16K, 2),
