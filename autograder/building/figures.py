@@ -47,6 +47,7 @@ TRAINING_SEEDS = "flashcourse/bench/measured/training_seeds.json"   # 06: the GP
 BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the backward kernels against SDPA (bench_backward)
 FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08: one-pass quantize, FP8 end to end
 FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the same, FP8 in step 5's Gluon schedule
+FP8_ROUNDING = "benchmarks/results/2026-12-06-h100-fp8-gpu-rounding.json"  # 08: the same, rounded by the GPU's cvt
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
 HOPPER_BACKWARD_FIRST = "benchmarks/results/2026-12-04-h200-hopper-backward.json"  # 08, step 8: its first version
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
@@ -214,6 +215,12 @@ def _fp8_error(data, inputs: str, method: str, kind: str) -> float:
 def _fp8_prepare(data, t: int, causal: bool = True) -> dict:
     """The --fp8-prepare row at T = t (bf16, D = 128, H = 32)."""
     return next(r for r in data["fp8_prepare"] if (r["t"], r["causal"]) == (t, causal))
+
+
+def _end_to_end(data, t: int, causal: bool = True) -> float:
+    """fp8_attention from bf16 inputs over hopper_attention, at the --fp8-prepare row at T = t."""
+    row = _fp8_prepare(data, t, causal)
+    return row["fp8_attention"] / row["hopper_attention"]
 
 
 def _over(data, name: str, under: str) -> list[float]:
@@ -597,15 +604,19 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.gluon_over_triton_max": Figure(FP8_GLUON, lambda d: max(_over(d, "FP8 Gluon kernel", "FP8 kernel")), 2),
     "gap.fp8.gluon_tflops_16k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 16384)["FP8 Gluon kernel"]),
     "gap.fp8.gluon_full_8k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 8192, causal=False)["FP8 Gluon kernel"]),
-    "gap.fp8.gluon_end_to_end_4k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 4096)["fp8_attention"] /
-                                          _fp8_prepare(d, 4096)["hopper_attention"], 2),
-    "gap.fp8.gluon_end_to_end_8k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 8192)["fp8_attention"] /
-                                          _fp8_prepare(d, 8192)["hopper_attention"], 2),
-    "gap.fp8.gluon_end_to_end_16k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 16384)["fp8_attention"] /
-                                           _fp8_prepare(d, 16384)["hopper_attention"], 2),
-    "gap.fp8.gluon_end_to_end_full_8k": Figure(FP8_GLUON, lambda d: _fp8_prepare(d, 8192, causal=False)["fp8_attention"]
-                                               / _fp8_prepare(d, 8192, causal=False)["hopper_attention"], 2),
+    "gap.fp8.gluon_end_to_end_4k": Figure(FP8_GLUON, lambda d: _end_to_end(d, 4096), 2),
+    "gap.fp8.gluon_end_to_end_8k": Figure(FP8_GLUON, lambda d: _end_to_end(d, 8192), 2),
+    "gap.fp8.gluon_end_to_end_16k": Figure(FP8_GLUON, lambda d: _end_to_end(d, 16384), 2),
+    "gap.fp8.gluon_end_to_end_full_8k": Figure(FP8_GLUON, lambda d: _end_to_end(d, 8192, causal=False), 2),
     "gap.fp8.gluon_end_to_end_over_cudnn_max": Figure(FP8_GLUON, lambda d: max(_over(d, "fp8_attention", "SDPA cuDNN")), 2),
+    "gap.fp8.rounding.prepare_ms": Figure(FP8_ROUNDING, lambda d: _fp8_prepare(d, 8192)["prepare_ms"], 2),
+    "gap.fp8.rounding.end_to_end_4k": Figure(FP8_ROUNDING, lambda d: _end_to_end(d, 4096), 2),
+    "gap.fp8.rounding.end_to_end_8k": Figure(FP8_ROUNDING, lambda d: _end_to_end(d, 8192), 2),
+    "gap.fp8.rounding.end_to_end_16k": Figure(FP8_ROUNDING, lambda d: _end_to_end(d, 16384), 2),
+    "gap.fp8.rounding.end_to_end_full_8k": Figure(FP8_ROUNDING, lambda d: _end_to_end(d, 8192, causal=False), 2),
+    "gap.fp8.rounding.identical": Figure(FP8_ROUNDING, lambda d: sum(r["identical"] and r["identical_rotated"]
+                                                                     for r in d["fp8_prepare"])),
+    "gap.fp8.rounding.rows": Figure(FP8_ROUNDING, lambda d: len(d["fp8_prepare"])),
     "gap.fp8.rms_bf16_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "bf16 fast_attention", "rms"), 2),
     "gap.fp8.rms_fp8_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8", "rms"), 2),
     "gap.fp8.rms_rot_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8 + rotation", "rms"), 2),
