@@ -356,8 +356,8 @@ def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
 
 @pytest.mark.parametrize("choice", ["consumers", "overlap", "tma_store"])
 def test_choice_report(choice):
-    """--consumers', --overlap's and --tma-store's table: one row per shape, the second setting over the first and each over
-    cuDNN from its columns."""
+    """--consumers', --overlap's and --tma-store's table: one row per shape, the second setting over the first and
+    each over cuDNN from its columns."""
     from flashcourse.bench.fast import HOPPER_CHOICES, choice_report
 
     first, second = HOPPER_CHOICES[choice][1]

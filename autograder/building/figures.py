@@ -253,9 +253,9 @@ def _hopper_row(data, t: int, causal: bool = True) -> dict:
 
 def _second_over_first(data, choice: str, t_at_least: int = 0, t_at_most: float = math.inf,
                        **fields) -> list[float]:
-    """At the rows of a --consumers or --overlap run (`choice`) whose T lies in the range and whose other fields
-    match: the second setting's TFLOP/s over the first's (three consumers over two, the overlap over one item at
-    a time)."""
+    """At the rows of a --consumers, --overlap or --tma-store run (`choice`) whose T lies in the range and whose
+    other fields match: the second setting's TFLOP/s over the first's (three consumers over two, the overlap over
+    one item at a time, o by TMA over the threads' stores)."""
     from flashcourse.bench.fast import HOPPER_CHOICES
 
     first, second = HOPPER_CHOICES[choice][1]

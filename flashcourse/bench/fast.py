@@ -1089,7 +1089,7 @@ def prefill_choice(choice: str, rows=None, done=lambda: None, rounds=2) -> list[
 
 
 def choice_report(result: dict, choice: str) -> str:
-    """--consumers' or --overlap's table as markdown."""
+    """--consumers', --overlap's or --tma-store's table as markdown."""
     keyword, settings, _ = HOPPER_CHOICES[choice]
     a, b = settings
     rounds = {r.get("rounds", 2) for r in result[choice]}   # files measured before --rounds: two
@@ -1100,8 +1100,8 @@ def choice_report(result: dict, choice: str) -> str:
     lines = report_opening(
         f"# {title[choice]}", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order. T = S, B x T = {TOKENS}; TFLOP/s = 2 B Hq T^2 D / time causal, "
-        "4 B Hq T^2 D not causal. "
+        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order. T = S, B x T = {TOKENS}; "
+        "TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. "
         f"'{a}' and '{b}' force hopper_attention's {keyword}= to {settings[a]} and {settings[b]}, the rest of the "
         f"schedule its own; hopper_attention is all its own choice. 'identical': '{b}' gave '{a}''s o bit for bit.")
     lines += ["| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(names) +
