@@ -357,7 +357,7 @@ def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
 @pytest.mark.parametrize("choice", ["consumers", "overlap", "tma_store"])
 def test_choice_report(choice):
     """--consumers', --overlap's and --tma-store's table: one row per shape, the second setting over the first and
-    each over cuDNN from its columns."""
+    each over cuDNN from its columns, and the number of rounds each figure is the best of."""
     from flashcourse.bench.fast import HOPPER_CHOICES, choice_report
 
     first, second = HOPPER_CHOICES[choice][1]
@@ -370,6 +370,9 @@ def test_choice_report(choice):
     assert table[0].count(first) == 3 and table[0].count(second) == 3   # its column, the ratio and over cuDNN
     assert table[2] == ("| bf16 | yes | 64 | 32/8 | 4096 | 8 | 400.0 | 300.0 | 420.0 | 390.0 | 420.0 | 1.077 | "
                         "0.975 | 1.050 | 1.050 | no |")
+    # the rounds a run took are stated; a row saved before --rounds existed was the best of two
+    assert "the best of 2 rounds" in choice_report({"environment": "a test", choice: [row]}, choice)
+    assert "the best of 5 rounds" in choice_report({"environment": "a test", choice: [{**row, "rounds": 5}]}, choice)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
