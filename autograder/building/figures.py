@@ -223,9 +223,10 @@ def _end_to_end(data, t: int, causal: bool = True) -> float:
     return row["fp8_attention"] / row["hopper_attention"]
 
 
-def _over(data, name: str, under: str) -> list[float]:
-    """`name`'s TFLOP/s over `under`'s, at every --fp8-prepare row ("fp8_attention": end to end, from bf16)."""
-    return [r[name] / r[under] for r in data["fp8_prepare"]]
+def _over(data, name: str, under: str, rows: str = "fp8_prepare") -> list[float]:
+    """`name`'s TFLOP/s over `under`'s, at every row of data[rows] (by default the --fp8-prepare rows, where
+    "fp8_attention" is end to end, from bf16)."""
+    return [r[name] / r[under] for r in data[rows]]
 
 
 def _groups_over_fast(data) -> list[float]:
@@ -676,10 +677,10 @@ FIGURES: dict[str, Figure] = {
         d, causal=True, t=1024, d=128, dtype="bf16", kv_heads=32)[0], 2),
     "hopper.otma.full_min": Figure(TMA_STORE_GRID, lambda d: min(_tma_store_gain(d, causal=False)), 2),
     "hopper.otma.full_max": Figure(TMA_STORE_GRID, lambda d: max(_tma_store_gain(d, causal=False)), 2),
-    "hopper.otma.of_cudnn_min": Figure(TMA_STORE_GRID, lambda d: min(
-        r["o by TMA"] / r["SDPA cuDNN"] for r in d["tma_store"]), 2),
-    "hopper.otma.of_cudnn_max": Figure(TMA_STORE_GRID, lambda d: max(
-        r["o by TMA"] / r["SDPA cuDNN"] for r in d["tma_store"]), 2),
+    "hopper.otma.of_cudnn_min": Figure(TMA_STORE_GRID, lambda d: min(_over(d, "o by TMA", "SDPA cuDNN",
+                                                                                      "tma_store")), 2),
+    "hopper.otma.of_cudnn_max": Figure(TMA_STORE_GRID, lambda d: max(_over(d, "o by TMA", "SDPA cuDNN",
+                                                                                      "tma_store")), 2),
     # hopper_attention's own column runs the 'o by TMA' kernel wherever T % 64 == 0: the run's repeat spread
     "hopper.otma.repeat_worst_pct": Figure(TMA_STORE_GRID, lambda d: 100 * max(
         abs(r["hopper_attention"] / r["o by TMA"] - 1) for r in d["tma_store"] if r["t"] % 64 == 0)),
