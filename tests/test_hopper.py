@@ -226,8 +226,10 @@ def test_fp8_changes_of_v_unit_are_exact(causal):
 @pytest.mark.skipif(RT.interpret, reason="Triton's interpreter rounds FP32 to e4m3 wrongly when rounding up crosses "
                     "a power of two (1.98 becomes 1.0), so only the compiled kernel can match the emulation")
 @pytest.mark.parametrize("causal", [True, False])
-def test_fp8_kernel_matches_its_arithmetic(causal):
-    """The compiled FP8 kernel computes what its description says (emulated in PyTorch), V's blocks 30x apart.
+@pytest.mark.parametrize("d", [16, 64])
+def test_fp8_kernel_matches_its_arithmetic(causal, d):
+    """The compiled FP8 kernel computes what its description says (emulated in PyTorch), V's blocks 30x apart;
+    at D = 16 its Q Kᵀ runs in fp16, on the same e4m3 values.
 
     Both round P to e4m3, but from FP32 scores summed in different orders, so a P on a rounding boundary can
     land one e4m3 step apart and move its row by a few per cent of V's largest value, and the FP8 tensor cores
@@ -238,8 +240,8 @@ def test_fp8_kernel_matches_its_arithmetic(causal):
 
     block = fp8_block()
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 4, 300, 64, generator=gen), *(torch.randn(1, 2, 2 * block + 51, 64, generator=gen)
-                                                            for _ in range(2))
+    q, k, v = torch.randn(1, 4, 300, d, generator=gen), *(torch.randn(1, 2, 2 * block + 51, d, generator=gen)
+                                                           for _ in range(2))
     v[:, :, block:2 * block] *= 30
     v[:, :, 2 * block:] *= 0.05
     inputs = prepare_fp8(q.to(RT.device), k.to(RT.device), v.to(RT.device))
@@ -569,6 +571,62 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
         assert result["shared"] <= 227 * 1024, (kernel, d, result)
         assert (result["adds"] > 0) == atomic and result["atomics"] == 0, (kernel, d, atomic, result)
         assert result["ptxas_log"] and not result["serialized"], (kernel, d, result)
+
+
+SM90_COMPILE_FP8 = """
+import json, sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# The course's runtime would choose the interpreter (no GPU here), and @triton.jit reads that choice when the
+# module is imported: it is shown a Hopper instead, so that fp8_fwd_kernel is a kernel to compile.
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda *args: "an sm_90 target on a CPU"
+torch.cuda.get_device_capability = lambda *args: (9, 0)
+""" + SM90_DRIVER + """
+from flashcourse.engine import fp8
+
+results = []
+for d, block_m, block_n, warps in json.loads(sys.argv[1]):
+    q8 = torch.empty(1, 2, 256, d, dtype=torch.float8_e4m3fn)
+    v_t = torch.empty(2, d, 256, dtype=torch.float8_e4m3fn)
+    o = torch.empty(1, 2, 256, d, dtype=torch.bfloat16)
+    scales = torch.empty(2, 2)
+    compiled = fp8.fp8_fwd_kernel.warmup(
+        q8, TensorDescriptor.from_tensor(q8.view(2, 256, d), [1, block_n, d]),
+        TensorDescriptor.from_tensor(v_t, [1, d, block_n]), o, scales, scales, scales, *q8.stride()[:3],
+        *o.stride()[:3], 256, 256, 0, 2, 1, 2, 2, 0.1, D=d, BLOCK_M=block_m, BLOCK_N=block_n, SCALE_BLOCK=128,
+        CAUSAL=True, num_warps=warps, num_stages=3, grid=(1,))
+    ptx = compiled.asm["ptx"]
+    results.append({"cubin": len(compiled.asm["cubin"]), "e4m3": ptx.count(".e4m3.e4m3"),
+                    "f16": ptx.count(".f16.f16")})
+print(json.dumps(results))
+"""
+
+
+def test_fp8_forward_compiles_for_sm90_without_a_gpu(tmp_path):
+    """fp8_fwd_kernel compiles to an sm_90 binary with each of its GPU tile shapes, at D = 16, 64 and 128 (a
+    stand-in driver names the target). An 8-bit product sums 32 values or more, so below D = 32 Q Kᵀ runs in fp16
+    (which holds every e4m3 value) and only P V reads e4m3; from D = 32 both products do."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    configs = [(d, block_m, block_n, warps) for d in (16, 64, 128) for block_m, block_n, warps in [(128, 128, 8),
+                                                                                                  (64, 64, 4)]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", SM90_COMPILE_FP8, json.dumps(configs)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == len(configs)
+    for (d, *_), result in zip(configs, results):
+        assert result["cubin"] > 0 and result["e4m3"] > 0, (d, result)
+        assert (result["f16"] > 0) == (d < 32), (d, result)
 
 
 def test_hopper_attention_train_runs_06s_kernels_where_gluon_cannot():

@@ -187,7 +187,11 @@ def _fp8_tile(
     scale_at = kv_index * kv_blocks + n0 // SCALE_BLOCK
     k_scale = tl.load(k_scale_ptr + scale_at)
     v_scale = tl.load(v_scale_ptr + scale_at)
-    s = tl.dot(q, tl.trans(k)) * (qk_scale * q_scale * k_scale)          # [BLOCK_M, BLOCK_N] FP32, log2 domain
+    if D < 32:   # an 8-bit product sums 32 values or more; fp16 holds every e4m3 value exactly, and sums in FP32
+        s = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * (qk_scale * q_scale * k_scale)                                # [BLOCK_M, BLOCK_N] FP32, log2 domain
     if MASKED:
         keys = n0 + tl.arange(0, BLOCK_N)
         visible = keys[None, :] < S
