@@ -388,13 +388,28 @@ def test_choice_report(choice):
     assert "the best of 5 rounds" in choice_report({"environment": "a test", choice: [{**row, "rounds": 5}]}, choice)
 
 
+def test_fp8_schedule_report():
+    """--fp8-schedule's table: one row per shape, its FP8 default over step 5's choice, over bf16 and over cuDNN
+    from its columns, and the rounds each figure is the best of."""
+    from flashcourse.bench.fast import FP8_SCHEDULE_STEPS, fp8_schedule_report
+
+    steps = list(FP8_SCHEDULE_STEPS)
+    row = {"causal": False, "t": 2048, "batch": 16, "rounds": 3, "SDPA cuDNN": 640.0, "hopper_attention": 600.0,
+           **dict(zip(steps, (720.0, 700.0, 750.0, 792.0))), "identical": True}
+    text = fp8_schedule_report({"environment": "a test", "fp8_schedule": [row]})
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 3 and len({line.count("|") for line in table}) == 1
+    assert table[2] == "| no | 2048 | 16 | 640.0 | 600.0 | 720.0 | 700.0 | 750.0 | 792.0 | 1.100 | 1.320 | 1.238 | yes |"
+    assert "the best of 3 rounds" in text
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
 def test_hopper_bench_refuses_a_cpu(capsys):
-    """--hopper, --consumers, --overlap and --tma-store measure nothing without a GPU and say so."""
+    """--hopper, --consumers, --overlap, --tma-store and --fp8-schedule measure nothing without a GPU and say so."""
     from flashcourse.bench import GPU_NEEDED
     from flashcourse.bench.fast import main
 
-    for mode in ("--hopper", "--consumers", "--overlap", "--tma-store"):
+    for mode in ("--hopper", "--consumers", "--overlap", "--tma-store", "--fp8-schedule"):
         assert main([mode]) == 1
         assert GPU_NEEDED in capsys.readouterr().out
 
@@ -491,7 +506,7 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
 
     configs = [  # D, causal, pingpong, persistent, STORE_LSE, FP8, consumers, overlap, TMA_STORE
         (128, True, True, True, False, False, 2, False, False), (64, False, False, False, True, False, 2, False, True),
-        (128, False, True, False, True, False, 2, True, False), (128, True, False, True, False, True, 2, False, False),
+        (128, False, True, False, True, False, 2, True, False), (128, True, False, True, False, True, 2, True, True),
         (64, False, True, False, True, True, 2, True, False), (64, True, True, True, False, False, 3, False, True),
         (64, True, False, False, True, False, 3, True, False), (128, True, True, True, True, False, 2, True, True),
         (128, True, False, True, False, False, 2, True, True)]

@@ -254,3 +254,31 @@ def test_hopper_fp8_forward(persistent, pingpong, batch, q_heads, kv_heads, t, s
     rms, rms_triton = rms_error(got, q, k, v, causal), rms_error(triton_kernel, q, k, v, causal)
     assert rms < min(3e-2, 1.25 * rms_triton + 1e-3), (rms, rms_triton)
     assert max_error(got, q, k, v, causal) < 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_fp8_forward needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
+    (2, 8, 2, 1024, 1024, 128, True),      # GQA 4
+    (1, 8, 8, 960, 1100, 64, True),        # queries at the end of a longer cache; T a multiple of 64, not of 128
+    (3, 4, 1, 320, 448, 128, False),       # MQA, not causal
+])
+def test_hopper_fp8_forward_schedule_keeps_its_sums(batch, q_heads, kv_heads, t, s, d, causal):
+    """hopper_fp8_forward's default (persistent, the overlap across items, o by TMA) gives the o of one item at a
+    time with o stored by threads bit for bit, in bf16 and fp16: the schedule moves work in time, not the sums.
+    o by TMA is refused where T is not a multiple of 64, and left out there by default."""
+    from flashcourse.bench.fast import _inputs
+    from flashcourse.engine.fp8 import hopper_fp8_forward, prepare_fp8
+
+    q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16, seed=t + s)
+    inputs = prepare_fp8(q, k, v)
+    for out_dtype in (torch.bfloat16, torch.float16):
+        plain = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype, persistent=False, overlap=False,
+                                   tma_store=False)
+        got = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, plain)
+    short = prepare_fp8(q[:, :, :t - 32].contiguous(), k, v)   # T - 32: not a multiple of 64
+    with pytest.raises(ValueError, match="multiple of 64"):
+        hopper_fp8_forward(short, causal=causal, tma_store=True)
+    assert torch.equal(hopper_fp8_forward(short, causal=causal),
+                       hopper_fp8_forward(short, causal=causal, persistent=False, overlap=False))

@@ -48,6 +48,8 @@ BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the ba
 FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08: one-pass quantize, FP8 end to end
 FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the same, FP8 in step 5's Gluon schedule
 FP8_ROUNDING = "benchmarks/results/2026-12-06-h100-fp8-gpu-rounding.json"  # 08: the same, rounded by the GPU's cvt
+FP8_SCHEDULE = "benchmarks/results/2026-12-06-h100-fp8-schedule.json"  # 08: FP8 with persistent, overlap, o by TMA
+FP8_SCHEDULE_END = "benchmarks/results/2026-12-06-h100-fp8-schedule-end-to-end.json"  # 08: fp8_attention with it
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
 HOPPER_BACKWARD_FIRST = "benchmarks/results/2026-12-04-h200-hopper-backward.json"  # 08, step 8: its first version
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
@@ -334,6 +336,10 @@ def _best_ratios(rows, column: str, over: str, **match) -> list[float]:
     return [r["best"][column] / r["best"][over] for r in rows if _matches(r, match)]
 
 
+# --fp8-schedule's default column over step 5's choice, over bf16, over cuDNN (its rows: "fp8_schedule")
+_FP8_DEFAULT_OVER_STEP_5 = ("+ o by TMA", "FP8, step 5's choice", "fp8_schedule")
+_FP8_DEFAULT_OVER_BF16 = ("+ o by TMA", "hopper_attention", "fp8_schedule")
+_FP8_DEFAULT_OVER_CUDNN = ("+ o by TMA", "SDPA cuDNN", "fp8_schedule")
 _LATER, _AWAITED = "one kernel, dQ a tile later", "one kernel, dQ awaited in its tile"   # DQ_LATER's columns
 _T1K_CAUSAL = {"t": 1024, "causal": True}
 
@@ -618,6 +624,19 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.rounding.identical": Figure(FP8_ROUNDING, lambda d: sum(r["identical"] and r["identical_rotated"]
                                                                      for r in d["fp8_prepare"])),
     "gap.fp8.rounding.rows": Figure(FP8_ROUNDING, lambda d: len(d["fp8_prepare"])),
+    "gap.fp8.schedule.gain_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
+    "gap.fp8.schedule.gain_max": Figure(FP8_SCHEDULE, lambda d: max(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
+    "gap.fp8.schedule.over_bf16_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_BF16)), 2),
+    "gap.fp8.schedule.over_bf16_max": Figure(FP8_SCHEDULE, lambda d: max(_over(d, *_FP8_DEFAULT_OVER_BF16)), 2),
+    "gap.fp8.schedule.over_cudnn_max": Figure(FP8_SCHEDULE, lambda d: max(_over(d, *_FP8_DEFAULT_OVER_CUDNN)), 2),
+    "gap.fp8.schedule.tflops_16k": Figure(FP8_SCHEDULE, lambda d: next(
+        r["+ o by TMA"] for r in d["fp8_schedule"] if r["causal"] and r["t"] == 16384)),
+    "gap.fp8.schedule.identical": Figure(FP8_SCHEDULE, lambda d: sum(r["identical"] for r in d["fp8_schedule"])),
+    "gap.fp8.schedule.rows": Figure(FP8_SCHEDULE, lambda d: len(d["fp8_schedule"])),
+    "gap.fp8.schedule.end_to_end_4k": Figure(FP8_SCHEDULE_END, lambda d: _end_to_end(d, 4096), 2),
+    "gap.fp8.schedule.end_to_end_8k": Figure(FP8_SCHEDULE_END, lambda d: _end_to_end(d, 8192), 2),
+    "gap.fp8.schedule.end_to_end_16k": Figure(FP8_SCHEDULE_END, lambda d: _end_to_end(d, 16384), 2),
+    "gap.fp8.schedule.end_to_end_full_8k": Figure(FP8_SCHEDULE_END, lambda d: _end_to_end(d, 8192, causal=False), 2),
     "gap.fp8.rms_bf16_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "bf16 fast_attention", "rms"), 2),
     "gap.fp8.rms_fp8_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8", "rms"), 2),
     "gap.fp8.rms_rot_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8 + rotation", "rms"), 2),

@@ -549,6 +549,72 @@ def fp8_prepare_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+FP8_SCHEDULE = [(True, 4096), (True, 8192), (True, 16384), (False, 2048), (False, 8192)]   # (causal, T = S)
+FP8_SCHEDULE_STEPS = {  # hopper_fp8_forward's keywords, each column adding one change to the one before
+    "FP8, step 5's choice": "step 5",
+    "+ persistent": dict(persistent=True, overlap=False, tma_store=False),
+    "+ overlap": dict(persistent=True, overlap=True, tma_store=False),
+    "+ o by TMA": dict(persistent=True, overlap=True, tma_store=True),
+}
+
+
+def fp8_schedule(grid=FP8_SCHEDULE, d=128, heads=32, rows=None, done=lambda: None, rounds=3) -> list[dict]:
+    """hopper_fp8_forward on prepared inputs with step 5's choice of persistent programs (the overlap and o by TMA
+    off), then persistent, the overlap and o by TMA added one at a time (the last is its default), beside
+    hopper_attention in bf16 and SDPA cuDNN: TFLOP/s, the best of `rounds` rounds; whether each gave the first's o
+    bit for bit."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.fp8 import hopper_fp8_forward, prepare_fp8
+    from flashcourse.engine.hopper import hopper_attention, hopper_schedule
+
+    rows = [] if rows is None else rows
+    for causal, t in grid:
+        batch = max(1, TOKENS // t)
+        q, k, v = _inputs(batch, heads, heads, t, t, d, torch.bfloat16)
+        prepared = prepare_fp8(q, k, v)
+        row = dict(dtype="bf16", causal=causal, d=d, q_heads=heads, kv_heads=heads, t=t, batch=batch, rounds=rounds)
+        fp8 = {name: functools.partial(hopper_fp8_forward, prepared, causal=causal,
+                                       **(dict(persistent=hopper_schedule(t, causal)[0], overlap=False,
+                                               tma_store=False) if kw == "step 5" else kw))
+               for name, kw in FP8_SCHEDULE_STEPS.items()}
+        impls = {"SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, False)(q, k, v),
+                 "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal, fallback=False), **fp8}
+        _time_row(row, impls, (2.0 if causal else 4.0) * batch * heads * t * t * d, rounds=rounds)
+        first = fp8["FP8, step 5's choice"]()
+        row["identical"] = all(torch.equal(first, fn()) for fn in list(fp8.values())[1:])
+        rows.append(row)
+        done()
+        _print_row(row, impls, f", the FP8 columns bit for bit: {row['identical']}")
+        del q, k, v, prepared
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_schedule_report(result: dict) -> str:
+    """--fp8-schedule's table as markdown."""
+    steps = list(FP8_SCHEDULE_STEPS)
+    names = ["SDPA cuDNN", "hopper_attention", *steps]
+    rounds = {r["rounds"] for r in result["fp8_schedule"]}
+    lines = report_opening(
+        "# FP8 in step 5's schedule: persistent programs, the overlap across items, o by TMA", result["environment"],
+        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
+        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order. D = 128, Hq = Hkv = 32, "
+        f"T = S, B x T = {TOKENS}; TFLOP/s = 2 B H T^2 D / time causal, 4 B H T^2 D not causal. hopper_attention: "
+        f"bf16 inputs; the FP8 columns: hopper_fp8_forward on the same inputs prepared by prepare_fp8 (not timed). "
+        f"'{steps[0]}': persistent programs where hopper_schedule takes them, one item at a time, o stored by the "
+        "consumers' threads; each later column adds one change; the last is hopper_fp8_forward's default. "
+        "'identical': every FP8 column gave the first's o bit for bit.")
+    lines += ["| causal | T | B | " + " | ".join(names) + f" | default / {steps[0]} | default / bf16 | "
+              "default / cuDNN | identical |", "|---" * (3 + len(names) + 4) + "|"]
+    for r in result["fp8_schedule"]:
+        lines.append(f"| {'yes' if r['causal'] else 'no'} | {r['t']} | {r['batch']} | "
+                     + " | ".join(f"{r[n]:.1f}" for n in names)
+                     + f" | {r[steps[-1]] / r[steps[0]]:.3f} | {r[steps[-1]] / r['hopper_attention']:.3f} | "
+                     f"{r[steps[-1]] / r['SDPA cuDNN']:.3f} | {'yes' if r['identical'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 def profile_run(t: int) -> None:
     """Each causal D = 128 kernel once at T = t, B x T = TOKENS, between cudaProfilerStart and Stop.
 
@@ -1249,7 +1315,7 @@ def main(argv=None) -> int:
                         "overlap across items, beside SDPA, in one process (--out, --json)")
     parser.add_argument("--tma-store", action="store_true", help="hopper_attention with o stored by its threads and "
                         "by TMA, beside SDPA, in one process (--out, --json)")
-    parser.add_argument("--rounds", type=int, default=2, help="with --consumers, --overlap or --tma-store: the best "
+    parser.add_argument("--rounds", type=int, default=2, help="with --consumers, --overlap, --tma-store or --fp8-schedule: the best "
                         "of this many rounds (default 2)")
     parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
@@ -1257,6 +1323,8 @@ def main(argv=None) -> int:
                         "same-bytes copy: B = 1, S = 1k to 32k; B = 8, S = 1k and 8k (--out, --json)")
     parser.add_argument("--fp8-prepare", action="store_true", help="prepare_fp8 in one Triton pass against its "
                         "PyTorch path, and fp8_attention end to end beside cuDNN and hopper_attention (--out, --json)")
+    parser.add_argument("--fp8-schedule", action="store_true", help="hopper_fp8_forward with step 5's choice of "
+                        "schedule, then persistent programs, the overlap and o by TMA added one at a time")
     parser.add_argument("--last-gap-2-report", nargs=2, metavar=("RESULT", "TRIALS"), help="measure nothing: the "
                         "markdown of a --last-gap-2 JSON and a --trials JSON together (--out)")
     args = parser.parse_args(argv)
@@ -1266,7 +1334,7 @@ def main(argv=None) -> int:
         return 0
     measures_on_gpu = (args.last_gap or args.lpt_groups or args.profile or args.trials or args.last_gap_2
                        or args.hopper or args.decode_fused or args.hopper_lse or args.fp8_prepare or args.consumers
-                       or args.overlap or args.tma_store)
+                       or args.overlap or args.tma_store or args.fp8_schedule)
     if measures_on_gpu and not torch.cuda.is_available():
         print(GPU_NEEDED)
         return 1
@@ -1292,6 +1360,9 @@ def main(argv=None) -> int:
         return _measure_main(args, "decode_fused", decode_fused, decode_fused_report)
     if args.fp8_prepare:
         return _measure_main(args, "fp8_prepare", fp8_prepare, fp8_prepare_report)
+    if args.fp8_schedule:
+        return _measure_main(args, "fp8_schedule", functools.partial(fp8_schedule, rounds=args.rounds),
+                             fp8_schedule_report)
     if args.lpt_groups:
         result = {"environment": environment(), "lpt_groups": lpt_groups()}
         text = lpt_groups_report(result)

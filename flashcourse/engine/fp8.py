@@ -329,9 +329,13 @@ def _hopper_fp8_refusal(inputs, causal, query_offset):
 
 
 def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.bfloat16, persistent=None,
-                       pingpong=None):
+                       pingpong=None, overlap=None, tma_store=None):
     """Attention from prepared e4m3 inputs (prepare_fp8) through step 5's schedule with FP8=True: o [B, Hq, T, D]
-    in out_dtype. ValueError where the schedule does not apply (see _hopper_fp8_refusal): use fp8_forward."""
+    in out_dtype. ValueError where the schedule does not apply (see _hopper_fp8_refusal): use fp8_forward.
+
+    Left None: persistent programs with the overlap across items, and o written by TMA where T is a multiple of 64,
+    at every T (each was faster on every row of `python -m flashcourse.bench.fast --fp8-schedule`: FP8's shorter
+    products leave an item's start and end a larger share of its time); the ping-pong as hopper_schedule's."""
     refusal = _hopper_fp8_refusal(inputs, causal, query_offset)
     if refusal is not None:
         raise ValueError(f"{refusal}: use fp8_forward")
@@ -340,9 +344,14 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     B, Hq, T, D = q8.shape
     Hkv, S = k8.shape[1], k8.shape[2]
     query_offset = S - T if query_offset is None else int(query_offset)
-    default_persistent, default_pingpong = step5.hopper_schedule(T, causal)
-    persistent = default_persistent if persistent is None else persistent
-    pingpong = default_pingpong if pingpong is None else pingpong
+    persistent = True if persistent is None else persistent
+    pingpong = step5.hopper_schedule(T, causal)[1] if pingpong is None else pingpong
+    overlap = persistent if overlap is None else overlap
+    o_dtypes = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+    tma_store = T % 64 == 0 and out_dtype in o_dtypes if tma_store is None else tma_store
+    if tma_store and (T % 64 or out_dtype not in o_dtypes):
+        raise ValueError(f"hopper_fp8_forward writes o by TMA where T is a multiple of 64 and o is bf16 or fp16; "
+                         f"got T = {T}, {out_dtype}")
 
     def descriptor(x, block):                                            # x: 2-D, e4m3, rows 16-byte aligned
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
@@ -355,11 +364,17 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     items = triton.cdiv(T, step5.HOPPER_BLOCK_M) * B * Hq
     programs = min(items, torch.cuda.get_device_properties(q8.device).multi_processor_count) if persistent else items
     queue = torch.zeros(1, dtype=torch.int32, device=q8.device)
+    o_desc = None
+    if tma_store:   # o's rows as q's, in blocks of a consumer's 64
+        o_block = [step5.HOPPER_BLOCK_M // 2, D]
+        o_desc = step5.GluonDescriptor.from_tensor(o.view(B * Hq * T, D), o_block,
+                                                   gl.NVMMASharedLayout.get_default_for(o_block, o_dtypes[out_dtype]))
     step5.hopper_fwd_kernel[(programs,)](
         q_desc, k_desc, vt_desc, o, o, inputs.q_scale, inputs.k_scale, inputs.v_scale, queue, T, S, Hq, Hkv,
         B * Hq, query_offset, inputs.q_scale.shape[2], inputs.k_scale.shape[2], LOG2E / math.sqrt(D), D=D,
         BLOCK_N=step5.HOPPER_BLOCK_N, STAGES=HOPPER_FP8_STAGES, CAUSAL=causal, PINGPONG=pingpong,
-        PERSISTENT=persistent, FP8=True, P_SHIFT=P_SHIFT.value, num_warps=4)
+        PERSISTENT=persistent, FP8=True, P_SHIFT=P_SHIFT.value, OVERLAP=overlap, TMA_STORE=tma_store,
+        o_desc=o_desc, num_warps=4)
     return o
 
 
