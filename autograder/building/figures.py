@@ -50,6 +50,9 @@ FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the sam
 FP8_ROUNDING = "benchmarks/results/2026-12-06-h100-fp8-gpu-rounding.json"  # 08: the same, rounded by the GPU's cvt
 FP8_SCHEDULE = "benchmarks/results/2026-12-06-h100-fp8-schedule.json"  # 08: FP8 with persistent, overlap, o by TMA
 FP8_SCHEDULE_END = "benchmarks/results/2026-12-06-h100-fp8-schedule-end-to-end.json"  # 08: fp8_attention with it
+FP8_NCU = "benchmarks/results/2026-12-06-h100-fp8-ncu.json"   # 08: Nsight Compute, hopper_fp8_forward beside bf16
+KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
+BACKWARD_PERSISTENT = "benchmarks/results/2026-12-06-h100-backward-persistent.json"  # 08, step 8: persistent dK/dV
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
 HOPPER_BACKWARD_FIRST = "benchmarks/results/2026-12-04-h200-hopper-backward.json"  # 08, step 8: its first version
 TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08, step 8: the GPT through it, three seeds
@@ -344,6 +347,12 @@ _LATER, _AWAITED = "one kernel, dQ a tile later", "one kernel, dQ awaited in its
 _T1K_CAUSAL = {"t": 1024, "causal": True}
 
 
+def _key_tiles_64(data) -> list[float]:
+    """The best setting with tiles of 64 keys over hopper_attention, at every row of the D = 64 comparison."""
+    return [max(v for n, v in r["best"].items() if "64 keys" in n) / r["best"]["hopper_attention"]
+            for r in data["rows"]]
+
+
 def _ncu_kernel(data, name: str, nth: int = 0, **match) -> dict:
     """The nth kernel profiled whose name holds `name` and whose fields equal match's (t=1024, causal=True)."""
     return [k for k in data["kernels"] if name in k["kernel"] and _matches(k, match)][nth]
@@ -473,6 +482,14 @@ FIGURES: dict[str, Figure] = {
                                                      + _best_ratios(d["scratch"], "phase two", "two", causal=True)), 2),
     "hbwd.phases.max": Figure(DQ_LATER, lambda d: max(_best_ratios(d["scratch"], "phase one", "one", causal=True)
                                                      + _best_ratios(d["scratch"], "phase two", "two", causal=True)), 2),
+    "hbwd.persistent.two_min": Figure(BACKWARD_PERSISTENT, lambda d: min(_best_ratios(
+        d["rows"], "two kernels, persistent", "two kernels")), 2),
+    "hbwd.persistent.two_max": Figure(BACKWARD_PERSISTENT, lambda d: max(_best_ratios(
+        d["rows"], "two kernels, persistent", "two kernels")), 2),
+    "hbwd.persistent.one_min": Figure(BACKWARD_PERSISTENT, lambda d: min(_best_ratios(
+        d["rows"], "one kernel, persistent", "one kernel")), 2),
+    "hbwd.persistent.one_max": Figure(BACKWARD_PERSISTENT, lambda d: max(_best_ratios(
+        d["rows"], "one kernel, persistent", "one kernel")), 2),
     "hbwd.ncu.cudnn_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "flash_bprop")["tensor_pipe_pct"]),
     "hbwd.ncu.one_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["tensor_pipe_pct"]),
     "hbwd.ncu.dkdv_tensor_pct": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv")["tensor_pipe_pct"]),
@@ -491,6 +508,8 @@ FIGURES: dict[str, Figure] = {
         d["rows"], "o by TMA", "main", causal=False, t=1024)[0], 2),
     "hopper.tma_store.causal_4k": Figure(TMA_STORE, lambda d: _best_ratios(
         d["rows"], "o by TMA", "main", causal=True, t=4096)[0], 2),
+    "hopper.key64.over_hopper_min": Figure(KEY_TILES_64, lambda d: min(_key_tiles_64(d)), 2),
+    "hopper.key64.over_hopper_max": Figure(KEY_TILES_64, lambda d: max(_key_tiles_64(d)), 2),
     "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "hopper_fwd", **_T1K_CAUSAL)[
         "duration_us"] / _ncu_kernel(d, "cudnn", **_T1K_CAUSAL)["duration_us"], 2),
     "hopper.ncu.tensor_pct_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "hopper_fwd", **_T1K_CAUSAL)[
@@ -637,6 +656,10 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.schedule.end_to_end_8k": Figure(FP8_SCHEDULE_END, lambda d: _end_to_end(d, 8192), 2),
     "gap.fp8.schedule.end_to_end_16k": Figure(FP8_SCHEDULE_END, lambda d: _end_to_end(d, 16384), 2),
     "gap.fp8.schedule.end_to_end_full_8k": Figure(FP8_SCHEDULE_END, lambda d: _end_to_end(d, 8192, causal=False), 2),
+    "gap.fp8.ncu.tensor_16k": Figure(FP8_NCU, lambda d: _ncu_kernel(d, "hopper_fwd_kernel", 1, t=16384)["tensor_pipe_pct"]),
+    "gap.fp8.ncu.bf16_tensor_16k": Figure(FP8_NCU, lambda d: _ncu_kernel(d, "hopper_fwd_kernel", t=16384)["tensor_pipe_pct"]),
+    "gap.fp8.ncu.xu_16k": Figure(FP8_NCU, lambda d: _ncu_kernel(d, "hopper_fwd_kernel", 1, t=16384)["xu_pipe_pct"]),
+    "gap.fp8.ncu.bf16_xu_16k": Figure(FP8_NCU, lambda d: _ncu_kernel(d, "hopper_fwd_kernel", t=16384)["xu_pipe_pct"]),
     "gap.fp8.rms_bf16_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "bf16 fast_attention", "rms"), 2),
     "gap.fp8.rms_fp8_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8", "rms"), 2),
     "gap.fp8.rms_rot_gauss": Figure(LAST_GAP, lambda d: 1e3 * _fp8_error(d, _GAUSS, "FP8 + rotation", "rms"), 2),

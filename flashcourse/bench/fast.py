@@ -616,7 +616,8 @@ def fp8_schedule_report(result: dict) -> str:
 
 
 def profile_run(t: int) -> None:
-    """Each causal D = 128 kernel once at T = t, B x T = TOKENS, between cudaProfilerStart and Stop.
+    """Each causal D = 128 kernel once at T = t, B x T = TOKENS, between cudaProfilerStart and Stop: 05's,
+    longest first, cuDNN's, the Triton FP8 kernel, and on a Hopper GPU hopper_attention and hopper_fp8_forward.
 
     For Nsight Compute with `--profile-from-start off`: compiling and autotuning happen before the
     profiled range, so only the timed kernels are profiled.
@@ -624,7 +625,8 @@ def profile_run(t: int) -> None:
     from torch.nn.attention import SDPBackend
 
     from flashcourse.engine.fast_attention import fast_attention
-    from flashcourse.engine.fp8 import fp8_forward, prepare_fp8
+    from flashcourse.engine.fp8 import fp8_forward, hopper_fp8_forward, prepare_fp8
+    from flashcourse.engine.hopper import gluon, hopper_attention
     from flashcourse.engine.longest_first import lpt_attention
 
     batch = max(1, TOKENS // t)
@@ -633,6 +635,8 @@ def profile_run(t: int) -> None:
     calls = [lambda: fast_attention(q, k, v), lambda: lpt_attention(q, k, v, head_group=batch * 32),
              lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, True, False)(q, k, v),
              lambda: fp8_forward(prepared, out_dtype=torch.bfloat16)]
+    if gluon is not None and torch.cuda.get_device_capability()[0] == 9:   # step 5's kernel in bf16, then FP8
+        calls += [lambda: hopper_attention(q, k, v, fallback=False), lambda: hopper_fp8_forward(prepared)]
     for call in calls:     # compile and autotune outside the profiled range
         call()
     torch.cuda.synchronize()
@@ -646,6 +650,7 @@ def profile_run(t: int) -> None:
 NCU_METRICS = {   # what the notebook reads from Nsight Compute's raw page, by metric name
     "duration_us": "gpu__time_duration.sum",
     "tensor_pipe_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    "xu_pipe_pct": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",   # exponentials, conversions
     "issue_slots_pct": "sm__inst_issued.avg.pct_of_peak_sustained_elapsed",
     "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "dram_active_pct": "dram__cycles_active.avg.pct_of_peak_sustained_elapsed",
