@@ -486,7 +486,7 @@ for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_sto
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
                     "e4m3": ptx.count(".e4m3.e4m3"), "shared": compiled.metadata.shared,
                     "tma_stores": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
-                    "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                    "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                                                      ptx)})})
 print(json.dumps(results))
 """
