@@ -346,13 +346,14 @@ def test_hopper_report():
 
 
 def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
-    """Rounds alternate the order of the implementations (a, b, c, then c, b, a), each keeps its fastest round,
-    and one that fails every round is NaN, not a number from another round."""
+    """Rounds alternate the order of the implementations (a, b, c, then c, b, a) and every pair of rounds starts
+    one place later (b, c, a, then a, c, b), so that each takes every place; each keeps its fastest round, and
+    one that fails every round is NaN, not a number from another round."""
     import math
 
     from flashcourse.bench import fast
 
-    calls, times = [], {"a": [2.0, 1.0], "b": [4.0, 5.0], "c": [math.nan, math.nan]}
+    calls, times = [], {"a": [2.0, 1.0, 3.0, 3.0], "b": [4.0, 5.0, 6.0, 4.0], "c": [math.nan] * 4}
     monkeypatch.setattr(fast, "_ms", lambda fn: fn())
 
     def timed(name):
@@ -362,8 +363,8 @@ def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
         return run
     monkeypatch.setattr(fast, "_or_nan", lambda measure, fn: measure(fn))
     row = {}
-    fast._time_row(row, {name: timed(name) for name in "abc"}, flops=1e9, rounds=2)
-    assert calls == ["a", "b", "c", "c", "b", "a"]
+    fast._time_row(row, {name: timed(name) for name in "abc"}, flops=1e9, rounds=4)
+    assert calls == ["a", "b", "c", "c", "b", "a", "b", "c", "a", "a", "c", "b"]
     assert row["a"] == 1.0 and row["b"] == 0.25 and math.isnan(row["c"])
 
 

@@ -599,8 +599,9 @@ def fp8_schedule_report(result: dict) -> str:
     lines = report_opening(
         "# FP8 in step 5's schedule: persistent programs, the overlap across items, o by TMA", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order. D = 128, Hq = Hkv = 32, "
-        f"T = S, B x T = {TOKENS}; TFLOP/s = 2 B H T^2 D / time causal, 4 B H T^2 D not causal. hopper_attention: "
+        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order, each pair of rounds "
+        f"starting one place later. D = 128, Hq = Hkv = 32, T = S, B x T = {TOKENS}; TFLOP/s = 2 B H T^2 D / time "
+        "causal, 4 B H T^2 D not causal. hopper_attention: "
         f"bf16 inputs; the FP8 columns: hopper_fp8_forward on the same inputs prepared by prepare_fp8 (not timed). "
         f"'{steps[0]}': persistent programs where hopper_schedule takes them, one item at a time, o stored by the "
         "consumers' threads; each later column adds one change; the last is hopper_fp8_forward's default. "
@@ -892,11 +893,15 @@ def _prefill_cases(grid):
 def _time_row(row, impls, flops, rounds=1) -> None:
     """row[name] = TFLOP/s of each implementation (flops: one count for all, or a dict of counts by name), NaN
     where one fails; with rounds > 1 the best of that many rounds, the implementations taking turns, in reverse
-    order every other round: neither a slow moment of the GPU nor a place in the order favours one of them."""
+    order every other round and, after each pair of rounds, starting one place later: neither a slow moment of
+    the GPU nor a place in the order (on an H100 a kernel timed just after another could run several percent
+    slower than the same kernel timed elsewhere in the round) favours one of them."""
     order = list(impls)
     times = {name: [] for name in order}
     for round_ in range(rounds):
-        for name in order if round_ % 2 == 0 else order[::-1]:
+        shift = round_ // 2 % len(order)
+        turn = order[shift:] + order[:shift]
+        for name in turn if round_ % 2 == 0 else turn[::-1]:
             times[name].append(_or_nan(_ms, impls[name]))
     for name in order:
         work = flops[name] if isinstance(flops, dict) else flops
@@ -1171,7 +1176,8 @@ def choice_report(result: dict, choice: str) -> str:
     lines = report_opening(
         f"# {title[choice]}", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order. T = S, B x T = {TOKENS}; "
+        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order, each pair of rounds "
+        f"starting one place later. T = S, B x T = {TOKENS}; "
         "TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. "
         f"'{a}' and '{b}' force hopper_attention's {keyword}= to {settings[a]} and {settings[b]}, the rest of the "
         f"schedule its own; hopper_attention is all its own choice. 'identical': '{b}' gave '{a}''s o bit for bit.")
@@ -1320,8 +1326,8 @@ def main(argv=None) -> int:
                         "overlap across items, beside SDPA, in one process (--out, --json)")
     parser.add_argument("--tma-store", action="store_true", help="hopper_attention with o stored by its threads and "
                         "by TMA, beside SDPA, in one process (--out, --json)")
-    parser.add_argument("--rounds", type=int, default=2, help="with --consumers, --overlap, --tma-store or --fp8-schedule: the best "
-                        "of this many rounds (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --consumers, --overlap, --tma-store or "
+                        "--fp8-schedule: the best of this many rounds (default 2)")
     parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
