@@ -401,7 +401,9 @@ def test_fp8_schedule_report():
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert len(table) == 3 and len({line.count("|") for line in table}) == 1
     assert table[2] == "| no | 2048 | 16 | 640.0 | 600.0 | 720.0 | 700.0 | 750.0 | 792.0 | 1.100 | 1.320 | 1.238 | yes |"
-    assert "the best of 3 rounds" in text
+    assert "the best of 3 rounds, every other round in reverse order." in text   # timed before the order moved
+    moved = fp8_schedule_report({"environment": "a test", "fp8_schedule": [{**row, "rotated": True}]})
+    assert "the best of 3 rounds, every other round in reverse order, each pair of rounds starting one place" in moved
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU")
@@ -427,6 +429,21 @@ def test_hopper_plot_draws_the_saved_grid(tmp_path):
     assert [len(ax.lines) for ax in figure.axes] == [len(HOPPER_NAMES)] * 2 + [len(HOPPER_SCHEDULES) + 1]
     assert all(len(line.get_xdata()) >= 4 for ax in figure.axes for line in ax.lines)
     assert (tmp_path / "hopper.png").stat().st_size > 10_000
+
+
+def test_fp8_schedule_plot_draws_the_saved_run(tmp_path):
+    """fp8_schedule_plot on the saved H100 run: a bar per implementation and shape, at the table's heights."""
+    import json
+
+    from flashcourse import bench
+    from flashcourse.bench.fast import FP8_SCHEDULE_STEPS, fp8_schedule_plot
+
+    result = json.loads(bench.measured("fp8_schedule.json").read_text())
+    figure = fp8_schedule_plot(result, str(tmp_path / "fp8.png"))
+    bars = figure.axes[0].containers
+    assert len(bars) == 2 + len(FP8_SCHEDULE_STEPS)
+    assert [b.get_height() for b in bars[-1]] == [r["+ o by TMA"] for r in result["fp8_schedule"]]
+    assert (tmp_path / "fp8.png").stat().st_size > 10_000
 
 
 SM90_DRIVER = """

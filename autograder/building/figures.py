@@ -48,7 +48,7 @@ BACKWARD = "flashcourse/bench/measured/backward.json"               # 06: the ba
 FP8_PREPARE = "benchmarks/results/2026-12-04-h200-fp8-fused-quantize.json"  # 08: one-pass quantize, FP8 end to end
 FP8_GLUON = "benchmarks/results/2026-12-05-h200-fp8-gluon.json"    # 08: the same, FP8 in step 5's Gluon schedule
 FP8_ROUNDING = "benchmarks/results/2026-12-06-h100-fp8-gpu-rounding.json"  # 08: the same, rounded by the GPU's cvt
-FP8_SCHEDULE = "benchmarks/results/2026-12-06-h100-fp8-schedule.json"  # 08: FP8 with persistent, overlap, o by TMA
+FP8_SCHEDULE = "flashcourse/bench/measured/fp8_schedule.json"    # 08: FP8 with persistent, overlap, o by TMA
 FP8_SCHEDULE_END = "benchmarks/results/2026-12-06-h100-fp8-schedule-end-to-end.json"  # 08: fp8_attention with it
 FP8_NCU = "benchmarks/results/2026-12-06-h100-fp8-ncu.json"   # 08: Nsight Compute, hopper_fp8_forward beside bf16
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys

@@ -573,7 +573,8 @@ def fp8_schedule(grid=FP8_SCHEDULE, d=128, heads=32, rows=None, done=lambda: Non
         batch = max(1, TOKENS // t)
         q, k, v = _inputs(batch, heads, heads, t, t, d, torch.bfloat16)
         prepared = prepare_fp8(q, k, v)
-        row = dict(dtype="bf16", causal=causal, d=d, q_heads=heads, kv_heads=heads, t=t, batch=batch, rounds=rounds)
+        row = dict(dtype="bf16", causal=causal, d=d, q_heads=heads, kv_heads=heads, t=t, batch=batch, rounds=rounds,
+                   rotated=rounds > 2)
         fp8 = {name: functools.partial(hopper_fp8_forward, prepared, causal=causal,
                                        **(dict(persistent=hopper_schedule(t, causal)[0], overlap=False,
                                                tma_store=False) if kw == "step 5" else kw))
@@ -595,13 +596,11 @@ def fp8_schedule_report(result: dict) -> str:
     """--fp8-schedule's table as markdown."""
     steps = list(FP8_SCHEDULE_STEPS)
     names = ["SDPA cuDNN", "hopper_attention", *steps]
-    rounds = {r["rounds"] for r in result["fp8_schedule"]}
     lines = report_opening(
         "# FP8 in step 5's schedule: persistent programs, the overlap across items, o by TMA", result["environment"],
-        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order, each pair of rounds "
-        f"starting one place later. D = 128, Hq = Hkv = 32, T = S, B x T = {TOKENS}; TFLOP/s = 2 B H T^2 D / time "
-        "causal, 4 B H T^2 D not causal. hopper_attention: "
+        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, "
+        f"{_rounds_text(result['fp8_schedule'])}. D = 128, Hq = Hkv = 32, T = S, B x T = {TOKENS}; TFLOP/s = "
+        "2 B H T^2 D / time causal, 4 B H T^2 D not causal. hopper_attention: "
         f"bf16 inputs; the FP8 columns: hopper_fp8_forward on the same inputs prepared by prepare_fp8 (not timed). "
         f"'{steps[0]}': persistent programs where hopper_schedule takes them, one item at a time, o stored by the "
         "consumers' threads; each later column adds one change; the last is hopper_fp8_forward's default. "
@@ -614,6 +613,34 @@ def fp8_schedule_report(result: dict) -> str:
                      + f" | {r[steps[-1]] / r[steps[0]]:.3f} | {r[steps[-1]] / r['hopper_attention']:.3f} | "
                      f"{r[steps[-1]] / r['SDPA cuDNN']:.3f} | {'yes' if r['identical'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def fp8_schedule_plot(result: dict, path: str | None = None):
+    """--fp8-schedule's rows as grouped bars: TFLOP/s of cuDNN, hopper_attention in bf16 and each step of FP8's
+    schedule, one group per shape. Saved to `path` when given; the figure is returned."""
+    import matplotlib
+
+    if path:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["fp8_schedule"]
+    names = ["SDPA cuDNN", "hopper_attention", *FP8_SCHEDULE_STEPS]
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    for i, name in enumerate(names):
+        ax.bar([g + (i - (len(names) - 1) / 2) * width for g in range(len(rows))], [r[name] for r in rows], width,
+               label=name + (" (bf16)" if name == "hopper_attention" else ""))
+    ax.set_xticks(range(len(rows)), [f"{'causal' if r['causal'] else 'not causal'}, T = {r['t']}" for r in rows])
+    ax.set_ylabel("TFLOP/s")
+    ax.set_ylim(0, 1.2 * max(r[name] for r in rows for name in names))   # room for the legend above the bars
+    ax.set_title("FP8 in step 5's schedule, one change at a time (D = 128, H = 32)")
+    ax.legend(loc="upper center", ncol=len(names), fontsize="small")
+    fig.suptitle(result["environment"])
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
 
 
 def profile_run(t: int) -> None:
@@ -908,6 +935,15 @@ def _time_row(row, impls, flops, rounds=1) -> None:
         row[name] = work / min((ms for ms in times[name] if not math.isnan(ms)), default=math.nan) / 1e9
 
 
+def _rounds_text(rows) -> str:
+    """How a table's figures were timed, from its rows: the best of how many rounds, in what order (rows timed
+    before the order also moved one place every pair of rounds say nothing of it, and were reversed only)."""
+    rounds = " or ".join(map(str, sorted({r.get("rounds", 2) for r in rows})))   # saved before --rounds: two
+    moved = all(r.get("rotated") for r in rows)
+    return (f"the best of {rounds} rounds, every other round in reverse order"
+            + (", each pair of rounds starting one place later" if moved else ""))
+
+
 def _print_row(row, names, suffix="") -> None:
     print(f"  {row['dtype']} {'causal' if row['causal'] else 'full  '} D={row['d']} H={row['q_heads']}/"
           f"{row['kv_heads']} T={row['t']:5d} B={row['batch']:2d}: " + ", ".join(f"{n} {row[n]:.0f}" for n in names)
@@ -1155,7 +1191,7 @@ def prefill_choice(choice: str, rows=None, done=lambda: None, rounds=2) -> list[
         impls = {**sdpa, "hopper_attention": run,
                  **{name: functools.partial(run, **{keyword: value}) for name, value in settings.items()}}
         _time_row(row, impls, flops, rounds=rounds)
-        row["rounds"] = rounds
+        row["rounds"], row["rotated"] = rounds, rounds > 2
         first, second = (impls[name]() for name in settings)
         row["identical"] = torch.equal(first, second)
         rows.append(row)
@@ -1168,16 +1204,14 @@ def choice_report(result: dict, choice: str) -> str:
     """--consumers', --overlap's or --tma-store's table as markdown."""
     keyword, settings, _ = HOPPER_CHOICES[choice]
     a, b = settings
-    rounds = {r.get("rounds", 2) for r in result[choice]}   # files measured before --rounds: two
     names = ["SDPA cuDNN", "SDPA flash", "hopper_attention", a, b]
     title = {"consumers": "hopper_attention at D = 64: two consumer warpgroups or three",
              "overlap": "hopper_attention: one item at a time, or the next item's first S beside this one's last P V",
              "tma_store": "hopper_attention: o stored by the consumer's threads, or through shared memory by one TMA copy"}
     lines = report_opening(
         f"# {title[choice]}", result["environment"],
-        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, the best of "
-        f"{' or '.join(map(str, sorted(rounds)))} rounds, every other round in reverse order, each pair of rounds "
-        f"starting one place later. T = S, B x T = {TOKENS}; "
+        "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, "
+        f"{_rounds_text(result[choice])}. T = S, B x T = {TOKENS}; "
         "TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal. "
         f"'{a}' and '{b}' force hopper_attention's {keyword}= to {settings[a]} and {settings[b]}, the rest of the "
         f"schedule its own; hopper_attention is all its own choice. 'identical': '{b}' gave '{a}''s o bit for bit.")
