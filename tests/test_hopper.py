@@ -365,6 +365,7 @@ def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
     row = {}
     fast._time_row(row, {name: timed(name) for name in "abc"}, flops=1e9, rounds=4)
     assert calls == ["a", "b", "c", "c", "b", "a", "b", "c", "a", "a", "c", "b"]
+    assert row["rounds"] == 4 and row["rotated"]
     assert row["a"] == 1.0 and row["b"] == 0.25 and math.isnan(row["c"])
 
 

@@ -556,6 +556,7 @@ FP8_SCHEDULE_STEPS = {  # hopper_fp8_forward's keywords, each column adding one 
     "+ overlap": dict(persistent=True, overlap=True, tma_store=False),
     "+ o by TMA": dict(persistent=True, overlap=True, tma_store=True),
 }
+FP8_SCHEDULE_NAMES = ["SDPA cuDNN", "hopper_attention", *FP8_SCHEDULE_STEPS]   # --fp8-schedule's columns
 
 
 def fp8_schedule(grid=FP8_SCHEDULE, d=128, heads=32, rows=None, done=lambda: None, rounds=3) -> list[dict]:
@@ -573,8 +574,7 @@ def fp8_schedule(grid=FP8_SCHEDULE, d=128, heads=32, rows=None, done=lambda: Non
         batch = max(1, TOKENS // t)
         q, k, v = _inputs(batch, heads, heads, t, t, d, torch.bfloat16)
         prepared = prepare_fp8(q, k, v)
-        row = dict(dtype="bf16", causal=causal, d=d, q_heads=heads, kv_heads=heads, t=t, batch=batch, rounds=rounds,
-                   rotated=rounds > 2)
+        row = dict(dtype="bf16", causal=causal, d=d, q_heads=heads, kv_heads=heads, t=t, batch=batch)
         fp8 = {name: functools.partial(hopper_fp8_forward, prepared, causal=causal,
                                        **(dict(persistent=hopper_schedule(t, causal)[0], overlap=False,
                                                tma_store=False) if kw == "step 5" else kw))
@@ -594,8 +594,7 @@ def fp8_schedule(grid=FP8_SCHEDULE, d=128, heads=32, rows=None, done=lambda: Non
 
 def fp8_schedule_report(result: dict) -> str:
     """--fp8-schedule's table as markdown."""
-    steps = list(FP8_SCHEDULE_STEPS)
-    names = ["SDPA cuDNN", "hopper_attention", *steps]
+    steps, names = list(FP8_SCHEDULE_STEPS), FP8_SCHEDULE_NAMES
     lines = report_opening(
         "# FP8 in step 5's schedule: persistent programs, the overlap across items, o by TMA", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process, "
@@ -624,8 +623,7 @@ def fp8_schedule_plot(result: dict, path: str | None = None):
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["fp8_schedule"]
-    names = ["SDPA cuDNN", "hopper_attention", *FP8_SCHEDULE_STEPS]
+    rows, names = result["fp8_schedule"], FP8_SCHEDULE_NAMES
     width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(12, 4.8))
     for i, name in enumerate(names):
@@ -922,7 +920,9 @@ def _time_row(row, impls, flops, rounds=1) -> None:
     where one fails; with rounds > 1 the best of that many rounds, the implementations taking turns, in reverse
     order every other round and, after each pair of rounds, starting one place later: neither a slow moment of
     the GPU nor a place in the order (on an H100 a kernel timed just after another could run several percent
-    slower than the same kernel timed elsewhere in the round) favours one of them."""
+    slower than the same kernel timed elsewhere in the round) favours one of them. row also records the rounds
+    and whether the order moved (its reports say how each figure was timed)."""
+    row["rounds"], row["rotated"] = rounds, rounds > 2
     order = list(impls)
     times = {name: [] for name in order}
     for round_ in range(rounds):
@@ -1191,7 +1191,6 @@ def prefill_choice(choice: str, rows=None, done=lambda: None, rounds=2) -> list[
         impls = {**sdpa, "hopper_attention": run,
                  **{name: functools.partial(run, **{keyword: value}) for name, value in settings.items()}}
         _time_row(row, impls, flops, rounds=rounds)
-        row["rounds"], row["rotated"] = rounds, rounds > 2
         first, second = (impls[name]() for name in settings)
         row["identical"] = torch.equal(first, second)
         rows.append(row)
