@@ -33,7 +33,7 @@ import re
 import torch
 
 from flashcourse.bench import GPU_NEEDED, environment
-from flashcourse.bench.reports import (label_panel, report_main, report_opening, report_parser, save_json,
+from flashcourse.bench.reports import (grouped_bars, label_panel, report_main, report_opening, report_parser, save_json,
                                       show_report)
 
 TOKENS = 4 * 8192               # B * T held fixed
@@ -624,12 +624,9 @@ def fp8_schedule_plot(result: dict, path: str | None = None):
     import matplotlib.pyplot as plt
 
     rows, names = result["fp8_schedule"], FP8_SCHEDULE_NAMES
-    width = 0.8 / len(names)
     fig, ax = plt.subplots(figsize=(12, 4.8))
-    for i, name in enumerate(names):
-        ax.bar([g + (i - (len(names) - 1) / 2) * width for g in range(len(rows))], [r[name] for r in rows], width,
-               label=name + (" (bf16)" if name == "hopper_attention" else ""))
-    ax.set_xticks(range(len(rows)), [f"{'causal' if r['causal'] else 'not causal'}, T = {r['t']}" for r in rows])
+    grouped_bars(ax, [f"{'causal' if r['causal'] else 'not causal'}, T = {r['t']}" for r in rows],
+                 {name + (" (bf16)" if name == "hopper_attention" else ""): [r[name] for r in rows] for name in names})
     ax.set_ylabel("TFLOP/s")
     ax.set_ylim(0, 1.2 * max(r[name] for r in rows for name in names))   # room for the legend above the bars
     ax.set_title("FP8 in step 5's schedule, one change at a time (D = 128, H = 32)")

@@ -21,7 +21,7 @@ import torch
 from flashcourse.bench import environment
 from flashcourse.bench.fast import _sdpa, _time_row   # SDPA held to one backend; the best of rounds in turn
 from flashcourse.bench.gradients import gradient_error
-from flashcourse.bench.reports import report_main, report_opening, report_parser, save_json
+from flashcourse.bench.reports import grouped_bars, report_main, report_opening, report_parser, save_json
 
 TOKENS = 32 * 1024          # B * T held fixed
 Q_HEADS = 32
@@ -118,10 +118,8 @@ def plot(result: dict, path: str | None = None):
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(BACKWARD)
-    for i, name in enumerate(BACKWARD):
-        ax.bar([j + i * width for j in range(len(rows))], [r[f"{name} bwd"] for r in rows], width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [_shape(r) for r in rows], fontsize=8)
+    grouped_bars(ax, [_shape(r) for r in rows], {name: [r[f"{name} bwd"] for r in rows] for name in BACKWARD})
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylabel("backward TFLOP/s")
     ax.set_title(f"The backward pass alone, bf16\n{result['environment']}", fontsize=9)
     ax.legend(fontsize=8)

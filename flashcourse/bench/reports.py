@@ -56,6 +56,15 @@ def label_panel(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.legend()
 
 
+def grouped_bars(ax, groups: list[str], series: dict[str, list[float]]) -> None:
+    """One group of bars per entry of `groups`, one bar in each group per series (its label -> one value a group),
+    the group's label centred under its bars."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))], values, width, label=label)
+    ax.set_xticks(range(len(groups)), groups)
+
+
 def report_main(args, measure, report, plot) -> int:
     """The measurements of --from-json, else measure(args)'s, which needs a GPU (without one: GPU_NEEDED, and 1);
     then report(result) shown and written to --out, plot(result, path) to --png."""
