@@ -334,8 +334,9 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     in out_dtype. ValueError where the schedule does not apply (see _hopper_fp8_refusal): use fp8_forward.
 
     Left None: persistent programs with the overlap across items, and o written by TMA where T is a multiple of 64,
-    at every T (each was faster on every row of `python -m flashcourse.bench.fast --fp8-schedule`: FP8's shorter
-    products leave an item's start and end a larger share of its time); the ping-pong as hopper_schedule's."""
+    at every T (each was faster wherever it changed the launch, in `python -m flashcourse.bench.fast
+    --fp8-schedule`: FP8's shorter products leave an item's start and end a larger share of its time); the
+    ping-pong as hopper_schedule's."""
     refusal = _hopper_fp8_refusal(inputs, causal, query_offset)
     if refusal is not None:
         raise ValueError(f"{refusal}: use fp8_forward")
@@ -347,11 +348,6 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     persistent = True if persistent is None else persistent
     pingpong = step5.hopper_schedule(T, causal)[1] if pingpong is None else pingpong
     overlap = persistent if overlap is None else overlap
-    o_dtypes = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-    tma_store = T % 64 == 0 and out_dtype in o_dtypes if tma_store is None else tma_store
-    if tma_store and (T % 64 or out_dtype not in o_dtypes):
-        raise ValueError(f"hopper_fp8_forward writes o by TMA where T is a multiple of 64 and o is bf16 or fp16; "
-                         f"got T = {T}, {out_dtype}")
 
     def descriptor(x, block):                                            # x: 2-D, e4m3, rows 16-byte aligned
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
@@ -361,14 +357,10 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     k_desc = descriptor(k8.view(B * Hkv * S, D), [step5.HOPPER_BLOCK_N, D])
     vt_desc = descriptor(inputs.v_t.view(B * Hkv * D, -1), [D, step5.HOPPER_BLOCK_N])   # Vᵀ [B*Hkv*D, S16]
     o = torch.empty(q8.shape, device=q8.device, dtype=out_dtype)        # [B, Hq, T, D]
+    tma_store, o_desc = step5._o_descriptor(o, tma_store, "hopper_fp8_forward")
     items = triton.cdiv(T, step5.HOPPER_BLOCK_M) * B * Hq
     programs = min(items, torch.cuda.get_device_properties(q8.device).multi_processor_count) if persistent else items
     queue = torch.zeros(1, dtype=torch.int32, device=q8.device)
-    o_desc = None
-    if tma_store:   # o's rows as q's, in blocks of a consumer's 64
-        o_block = [step5.HOPPER_BLOCK_M // 2, D]
-        o_desc = step5.GluonDescriptor.from_tensor(o.view(B * Hq * T, D), o_block,
-                                                   gl.NVMMASharedLayout.get_default_for(o_block, o_dtypes[out_dtype]))
     step5.hopper_fwd_kernel[(programs,)](
         q_desc, k_desc, vt_desc, o, o, inputs.q_scale, inputs.k_scale, inputs.v_scale, queue, T, S, Hq, Hkv,
         B * Hq, query_offset, inputs.q_scale.shape[2], inputs.k_scale.shape[2], LOG2E / math.sqrt(D), D=D,

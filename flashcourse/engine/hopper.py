@@ -135,19 +135,33 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
-    def _hopper_softmax(s, m, l, q_pos, q_first, n0, S, qk_scale,
-                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, P_SHIFT: gl.constexpr):
-        # s [BLOCK_M, BLOCK_N] raw scores of tile n0; m, l [BLOCK_M] in log2 units of the scaled scores; P and l
-        # carry a factor 2^P_SHIFT (step 6's FP8: P then lies in e4m3's normal range, as in _fp8_tile)
-        need_mask = n0 + BLOCK_N > S
+    def _hopper_mask(s, q_pos, n0, S, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        # s with -inf where the key lies past S or, under CAUSAL, after the row's query: one comparison a score,
+        # key <= min(query, S - 1)
+        keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:
-            need_mask = need_mask | (n0 + BLOCK_N > q_first + 1)
-        if need_mask:
-            keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            visible = keys[None, :] <= gl.minimum(q_pos, S - 1)[:, None]
+        else:
             visible = keys[None, :] < S
+        return gl.where(visible, s, -float("inf"))
+
+
+    @gluon.jit
+    def _hopper_softmax(s, m, l, q_pos, q_first, n0, S, qk_scale,
+                        CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, P_SHIFT: gl.constexpr,
+                        MASK: gl.constexpr):
+        # s [BLOCK_M, BLOCK_N] raw scores of tile n0; m, l [BLOCK_M] in log2 units of the scaled scores; P and l
+        # carry a factor 2^P_SHIFT (step 6's FP8: P then lies in e4m3's normal range, as in _fp8_tile).
+        # MASK 0: every row sees every key of the tile, and no mask code is compiled; 1: the mask applies;
+        # 2: decided here, at run time (an item's first tile)
+        if MASK == 1:
+            s = _hopper_mask(s, q_pos, n0, S, CAUSAL, BLOCK_N, s_layout)
+        if MASK == 2:
+            need_mask = n0 + BLOCK_N > S
             if CAUSAL:
-                visible = visible & (keys[None, :] <= q_pos[:, None])
-            s = gl.where(visible, s, -float("inf"))
+                need_mask = need_mask | (n0 + BLOCK_N > q_first + 1)
+            if need_mask:
+                s = _hopper_mask(s, q_pos, n0, S, CAUSAL, BLOCK_N, s_layout)
         m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m - m_new)
         if P_SHIFT:
@@ -209,7 +223,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         mbarrier.arrive(k_empty.index(slot), count=1)
         if FP8:
             scale = scale * gl.load(k_scale_ptr + kv_scales)
-        p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, scale, CAUSAL, BLOCK_N, s_layout, P_SHIFT)
+        p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, scale, CAUSAL, BLOCK_N, s_layout, P_SHIFT, 2)
         return p, m, l
 
 
@@ -223,6 +237,43 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         else:
             acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
         return acc
+
+
+    @gluon.jit
+    def _hopper_tile(q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turns, t, j, k, p, m, l, acc, v_unit,
+                     s_zero, q_pos, first, S, scale, k_scale_ptr, v_scale_ptr, kv_scales, WG: gl.constexpr,
+                     STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr,
+                     FP8: gl.constexpr, P_SHIFT: gl.constexpr, CONSUMERS: gl.constexpr, s_layout: gl.constexpr,
+                     o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr):
+        # Tile j of an item whose first tile took ring position t, as burst k: S_j = Q K_jᵀ and P_{j-1} V_{j-1}
+        # issued together, softmax j (MASK as in _hopper_softmax) while P_{j-1} V_{j-1} is still on the tensor
+        # cores, then the wait for that product and the rescale.
+        cur = (t + j) % STAGES
+        prev = (t + j - 1) % STAGES
+        mbarrier.wait(k_full.index(cur), ((t + j) // STAGES) & 1)
+        mbarrier.wait(v_full.index(prev), ((t + j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(q_wg.dtype), p_layout)
+        _take_turn(turns, k, WG, PINGPONG)
+        s_tok = warpgroup_mma(q_wg, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = _hopper_pv(p_op, v_smem, prev, acc, FP8)
+        _give_turn(turns, WG, PINGPONG, CONSUMERS)
+        # S_j done; P_{j-1} V_{j-1} may still run during the softmax
+        s = warpgroup_mma_wait(1, deps=[s_tok, q_wg, k_smem.index(cur)])[0]
+        mbarrier.arrive(k_empty.index(cur), count=1)
+        tile_scale = scale
+        if FP8:
+            tile_scale = scale * gl.load(k_scale_ptr + kv_scales + j)
+        p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, j * BLOCK_N, S, tile_scale, CAUSAL, BLOCK_N,
+                                         s_layout, P_SHIFT, MASK)
+        acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(prev)])[0]
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        if FP8:   # the softmax's rescale and the change of unit to V_j's scale, in one multiply
+            v_scale = gl.load(v_scale_ptr + kv_scales + j)
+            alpha = alpha * (v_unit / v_scale)
+            v_unit = v_scale
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        acc = warpgroup_mma_init(acc * alpha_o[:, None])
+        return p, m, l, acc, v_unit
 
 
     @gluon.jit
@@ -310,33 +361,32 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 k += 1
             q_wg = q_smem.index(CONSUMERS * (done % Q_BUFFERS) + WG)
             acc = warpgroup_mma_init(gl.zeros([WG_M, D], gl.float32, o_layout))
-            for j in range(1, n_tiles):
-                cur = (t + j) % STAGES
-                prev = (t + j - 1) % STAGES
-                mbarrier.wait(k_full.index(cur), ((t + j) // STAGES) & 1)
-                mbarrier.wait(v_full.index(prev), ((t + j - 1) // STAGES) & 1)
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-                _take_turn(turns, k, WG, PINGPONG)
-                s_tok = warpgroup_mma(q_wg, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                acc = _hopper_pv(p_op, v_smem, prev, acc, FP8)
-                _give_turn(turns, WG, PINGPONG, CONSUMERS)
-                k += 1
-                # S_j done; P_{j-1} V_{j-1} may still run during the softmax
-                s = warpgroup_mma_wait(1, deps=[s_tok, q_wg, k_smem.index(cur)])[0]
-                mbarrier.arrive(k_empty.index(cur), count=1)
-                tile_scale = scale
-                if FP8:
-                    tile_scale = scale * gl.load(k_scale_ptr + kv_scales + j)
-                p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, j * BLOCK_N, S, tile_scale, CAUSAL, BLOCK_N,
-                                                 s_layout, P_SHIFT)
-                acc = warpgroup_mma_wait(0, deps=[acc, v_smem.index(prev)])[0]
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                if FP8:   # the softmax's rescale and the change of unit to V_j's scale, in one multiply
-                    v_scale = gl.load(v_scale_ptr + kv_scales + j)
-                    alpha = alpha * (v_unit / v_scale)
-                    v_unit = v_scale
-                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-                acc = warpgroup_mma_init(acc * alpha_o[:, None])
+            if OVERLAP:   # one loop, each tile's mask decided at run time: with the two loops below, the
+                # overlap's outputs came out wrong on an H100 (Triton 3.6)
+                for j in range(1, n_tiles):
+                    p, m, l, acc, v_unit = _hopper_tile(
+                        q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turns, t, j, k, p, m, l, acc, v_unit,
+                        s_zero, q_pos, first, S, scale, k_scale_ptr, v_scale_ptr, kv_scales, WG, STAGES, CAUSAL,
+                        BLOCK_N, PINGPONG, FP8, P_SHIFT, CONSUMERS, s_layout, o_layout, p_layout, 2)
+                    k += 1
+            else:   # the tiles every row sees whole, compiled without mask code; then those the mask crosses (past
+                # S, or across the diagonal: one or two an item under a causal mask)
+                unmasked = S
+                if CAUSAL:
+                    unmasked = gl.minimum(S, first + 1)
+                unmasked = gl.minimum(gl.maximum(unmasked // BLOCK_N, 1), n_tiles)
+                for j in range(1, unmasked):
+                    p, m, l, acc, v_unit = _hopper_tile(
+                        q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turns, t, j, k, p, m, l, acc, v_unit,
+                        s_zero, q_pos, first, S, scale, k_scale_ptr, v_scale_ptr, kv_scales, WG, STAGES, CAUSAL,
+                        BLOCK_N, PINGPONG, FP8, P_SHIFT, CONSUMERS, s_layout, o_layout, p_layout, 0)
+                    k += 1
+                for j in range(unmasked, n_tiles):
+                    p, m, l, acc, v_unit = _hopper_tile(
+                        q_wg, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turns, t, j, k, p, m, l, acc, v_unit,
+                        s_zero, q_pos, first, S, scale, k_scale_ptr, v_scale_ptr, kv_scales, WG, STAGES, CAUSAL,
+                        BLOCK_N, PINGPONG, FP8, P_SHIFT, CONSUMERS, s_layout, o_layout, p_layout, 1)
+                    k += 1
             # every S of this item is done: its Q buffer may take a later item's
             mbarrier.arrive(q_empty.index(done % Q_BUFFERS), count=1)
 
@@ -376,7 +426,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                     m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
                     l = gl.zeros([WG_M], gl.float32, row_layout)
                     p, alpha, m, l = _hopper_softmax(s, m, l, q_pos, first, 0, S, tile_scale, CAUSAL, BLOCK_N,
-                                                     s_layout, P_SHIFT)
+                                                     s_layout, P_SHIFT, 2)
                 else:
                     _take_turn(turns, k, WG, PINGPONG)
                     acc = _hopper_pv(p_op, v_smem, last, acc, FP8)
@@ -579,6 +629,23 @@ def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=Non
                           store_lse=True)
 
 
+def _o_descriptor(o, tma_store, caller):
+    """(tma_store, o's TMA descriptor or None) for o [B, Hq, T, D]: its rows as q's, in blocks of a consumer's 64.
+    tma_store left None is taken wherever the copies can write o (T a multiple of 64, o in bf16 or fp16); asked
+    for elsewhere, a ValueError in the name of `caller`."""
+    B, Hq, T, D = o.shape
+    possible = T % 64 == 0 and o.dtype in (torch.bfloat16, torch.float16)
+    tma_store = possible if tma_store is None else tma_store
+    if tma_store and not possible:
+        raise ValueError(f"{caller} writes o by TMA where T is a multiple of 64 (a copy of 64 rows would run into "
+                         f"the next head's) and o is bf16 or fp16; got T = {T}, {o.dtype}")
+    if not tma_store:
+        return False, None
+    block = [HOPPER_BLOCK_M // 2, D]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if o.dtype == torch.bfloat16 else gl.float16)
+    return True, GluonDescriptor.from_tensor(o.view(B * Hq * T, D), block, layout)
+
+
 def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumers, overlap, tma_store, store_lse):
     """(o, lse or None): hopper_fwd_kernel on inputs its schedule takes."""
     _check_inputs(q, k, v)
@@ -590,16 +657,13 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     pingpong = default_pingpong if pingpong is None else pingpong
     consumers = hopper_consumers(T, D, causal) if consumers is None else consumers
     overlap = hopper_overlap(T, D, causal) if overlap is None else overlap
-    tma_store = T % 64 == 0 if tma_store is None else tma_store
     if consumers not in (2, 3) or (consumers == 3 and D != 64):
         raise ValueError(f"hopper_attention runs 2 consumer warpgroups, or 3 at D = 64 (at D = 128 three would "
                          f"spill their accumulators); got consumers={consumers}, D = {D}")
-    if tma_store and T % 64:
-        raise ValueError(f"hopper_attention writes o by TMA where T is a multiple of 64 (a copy of 64 rows would "
-                         f"run into the next head's); got T = {T}")
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = torch.empty_like(q)
+    tma_store, o_desc = _o_descriptor(o, tma_store, "hopper_attention")
     lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32) if store_lse else None  # [B, Hq, T]
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_layout = gl.NVMMASharedLayout.get_default_for([HOPPER_BLOCK_M // 2, D], dtype)
@@ -612,9 +676,6 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     items = triton.cdiv(T, HOPPER_BLOCK_M // 2 * consumers) * B * Hq
     programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
     queue = torch.zeros(1, dtype=torch.int32, device=q.device)
-    o_desc = None
-    if tma_store:   # o's rows as q's, in blocks of a consumer's 64
-        o_desc = GluonDescriptor.from_tensor(o.view(B * Hq * T, D), [HOPPER_BLOCK_M // 2, D], q_layout)
     hopper_fwd_kernel[(programs,)](
         q_desc, k_desc, v_desc, o, o if lse is None else lse, o, o, o, queue, T, S, Hq, Hkv, B * Hq, query_offset,
         0, 0, LOG2E / math.sqrt(D), D=D, BLOCK_N=HOPPER_BLOCK_N, STAGES=HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,

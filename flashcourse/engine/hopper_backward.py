@@ -317,6 +317,34 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
+    def _dq_tile(q_half, do_half, k_smem, v_smem, k_full, v_full, k_empty, v_empty, j, dq, rows, lse2, delta, s_zero,
+                 qk_scale, query_offset, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+                 s_layout: gl.constexpr, op_layout: gl.constexpr):
+        # K/V tile j against the consumer's rows: dQ += dS K_j, returned. MASK: the diagonal crosses the tile
+        # (compiled only into the loop over such tiles).
+        slot = j % STAGES
+        phase = (j // STAGES) & 1
+        k_s = k_smem.index(slot)                                             # [BLOCK_N, D]
+        v_s = v_smem.index(slot)
+        mbarrier.wait(k_full.index(slot), phase)
+        mbarrier.wait(v_full.index(slot), phase)
+        s = warpgroup_mma(q_half, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_half, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s, q_half, k_s])[0]                   # S done, dP may still run
+        p = gl.exp2(s * qk_scale - lse2[:, None])                             # P [HALF_M, BLOCK_N]
+        if MASK:
+            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(keys[None, :] <= rows[:, None] + query_offset, p, 0.0)
+        dp = warpgroup_mma_wait(0, deps=[dp, do_half, v_s])[0]
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        ds = gl.convert_layout((p * (dp - delta[:, None])).to(q_half.dtype), op_layout)   # dS [HALF_M, BLOCK_N]
+        dq = warpgroup_mma(ds, k_s, dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq, k_s])[0]
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        return dq
+
+
+    @gluon.jit
     def _dq_consume(q_smem, do_smem, k_smem, v_smem, q_bar, k_full, v_full, k_empty, v_empty, lse_ptr, delta_ptr,
                     dq_ptr, bh, row0, T, query_offset, n_tiles, qk_scale, sm_scale,
                     HALF: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
@@ -334,31 +362,18 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         rows = row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
         lse2 = gl.load(lse_ptr + bh * T + rows) * LOG2E_GL                     # natural log to log2 units
         delta = gl.load(delta_ptr + bh * T + rows)
-        first_position = row0 + HALF * HALF_M + query_offset
         s_zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
         dq = gl.zeros([HALF_M, D], gl.float32, acc_layout)
+        unmasked = n_tiles                    # tiles before it lie wholly at or before the first row's position
+        if CAUSAL:
+            unmasked = gl.minimum(gl.maximum((row0 + HALF * HALF_M + query_offset + 1) // BLOCK_N, 0), n_tiles)
         mbarrier.wait(q_bar, 0)
-        for j in range(n_tiles):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            k_s = k_smem.index(slot)                                         # [BLOCK_N, D]
-            v_s = v_smem.index(slot)
-            mbarrier.wait(k_full.index(slot), phase)
-            mbarrier.wait(v_full.index(slot), phase)
-            s = warpgroup_mma(q_half, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp = warpgroup_mma(do_half, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s, q_half, k_s])[0]               # S done, dP may still run
-            p = gl.exp2(s * qk_scale - lse2[:, None])                         # P [HALF_M, BLOCK_N]
-            if CAUSAL:
-                if first_position < j * BLOCK_N + BLOCK_N - 1:                # a tile the diagonal crosses
-                    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                    p = gl.where(keys[None, :] <= rows[:, None] + query_offset, p, 0.0)
-            dp = warpgroup_mma_wait(0, deps=[dp, do_half, v_s])[0]
-            mbarrier.arrive(v_empty.index(slot), count=1)
-            ds = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), op_layout)   # dS [HALF_M, BLOCK_N]
-            dq = warpgroup_mma(ds, k_s, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq, k_s])[0]
-            mbarrier.arrive(k_empty.index(slot), count=1)
+        for j in range(0, unmasked):
+            dq = _dq_tile(q_half, do_half, k_smem, v_smem, k_full, v_full, k_empty, v_empty, j, dq, rows, lse2, delta,
+                          s_zero, qk_scale, query_offset, BLOCK_N, STAGES, False, s_layout, op_layout)
+        for j in range(unmasked, n_tiles):    # those the diagonal crosses
+            dq = _dq_tile(q_half, do_half, k_smem, v_smem, k_full, v_full, k_empty, v_empty, j, dq, rows, lse2, delta,
+                          s_zero, qk_scale, query_offset, BLOCK_N, STAGES, True, s_layout, op_layout)
         out_rows = bh * T + row0 + HALF * HALF_M + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
         gl.store(dq_ptr + out_rows[:, None] * D + cols[None, :], (dq * sm_scale).to(dtype))
