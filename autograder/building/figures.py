@@ -63,6 +63,7 @@ BACKWARD_NCU = "benchmarks/results/2026-12-06-h100-backward-ncu.json"   # 08, st
 FORWARD_NCU = "benchmarks/results/2026-12-06-h100-forward-ncu.json"     # 08: Nsight Compute, the forward at T = 1k, 4k
 TMA_STORE = "benchmarks/results/2026-12-06-h100-forward-tma-store.json"  # 08: o written by TMA, a scratch copy
 TMA_STORE_GRID = "benchmarks/results/2026-12-06-h100-hopper-tma-store.json"  # 08: the same in hopper_attention
+MASK_SPLIT = "benchmarks/results/2026-12-06-h100-mask-split.json"  # 08: tiles without mask code, loops of their own
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -347,6 +348,23 @@ _LATER, _AWAITED = "one kernel, dQ a tile later", "one kernel, dQ awaited in its
 _T1K_CAUSAL = {"t": 1024, "causal": True}
 
 
+def _best_over_best(row: dict, column: str, over: str) -> float:
+    """column's TFLOP/s over `over`'s in a row that timed each twice (the second as "<name> (2)"), best against best."""
+    return max(row[column], row[f"{column} (2)"]) / max(row[over], row[f"{over} (2)"])
+
+
+def _mask_split(data, **match) -> list[float]:
+    """MASK_SPLIT: the split over one loop, in the forward rows it applies to (all but causal T <= 2k) whose fields
+    equal match's, or in the backward rows (dtype="bf16 backward, two kernels")."""
+    return [_best_over_best(r, "split", "before") for r in data["rows"] if _matches(r, {"dtype": "bf16"} | match)
+            and not (r["causal"] and r["t"] <= 2048 and "backward" not in r["dtype"])]
+
+
+def _variant_over_split(data, variant: str) -> list[float]:
+    """MASK_SPLIT: a scratch variant of the split over the split, in each row that timed it."""
+    return [_best_over_best(r, "variant", "split") for r in data["variants"]["rows"] if r["scratch variant"] == variant]
+
+
 def _fp8_ncu(data, dtype: str) -> dict:
     """Step 5's kernel at causal T = 16k under Nsight Compute: profiled in bf16 first, then in FP8."""
     return _ncu_kernel(data, "hopper_fwd_kernel", {"bf16": 0, "fp8": 1}[dtype], t=16384)
@@ -513,6 +531,18 @@ FIGURES: dict[str, Figure] = {
         d["rows"], "o by TMA", "main", causal=False, t=1024)[0], 2),
     "hopper.tma_store.causal_4k": Figure(TMA_STORE, lambda d: _best_ratios(
         d["rows"], "o by TMA", "main", causal=True, t=4096)[0], 2),
+    "hopper.mask_split.d128_min": Figure(MASK_SPLIT, lambda d: min(_mask_split(d, d=128)), 2),
+    "hopper.mask_split.d128_max": Figure(MASK_SPLIT, lambda d: max(_mask_split(d, d=128)), 2),
+    "hopper.mask_split.full_d64_1k": Figure(MASK_SPLIT, lambda d: _mask_split(d, d=64, causal=False, t=1024)[0], 2),
+    "hopper.mask_split.causal_d64_4k": Figure(MASK_SPLIT, lambda d: _mask_split(d, d=64, causal=True, t=4096)[0], 2),
+    "hopper.mask_split.dq_min": Figure(MASK_SPLIT, lambda d: min(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
+    "hopper.mask_split.dq_max": Figure(MASK_SPLIT, lambda d: max(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
+    "hopper.mask_split.if_min": Figure(MASK_SPLIT, lambda d: min(_variant_over_split(d, "v_if")), 2),
+    "hopper.mask_split.if_max": Figure(MASK_SPLIT, lambda d: max(_variant_over_split(d, "v_if")), 2),
+    "hopper.fp8_fma_exp.min": Figure(MASK_SPLIT, lambda d: min(_best_over_best(r, "MUFU + FMA", "MUFU")
+                                                               for r in d["fp8_exponentials_on_fma"]["rows"]), 2),
+    "hopper.fp8_fma_exp.max": Figure(MASK_SPLIT, lambda d: max(_best_over_best(r, "MUFU + FMA", "MUFU")
+                                                               for r in d["fp8_exponentials_on_fma"]["rows"]), 2),
     "hopper.key64.over_hopper_min": Figure(KEY_TILES_64, lambda d: min(_key_tiles_64(d)), 2),
     "hopper.key64.over_hopper_max": Figure(KEY_TILES_64, lambda d: max(_key_tiles_64(d)), 2),
     "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "hopper_fwd", **_T1K_CAUSAL)[
