@@ -466,7 +466,7 @@ triton.runtime.driver.set_active(Sm90Driver())
 """
 
 SM90_COMPILE = """
-import json, os, re, sys
+import json, os, re, subprocess, sys
 
 import torch
 import triton  # imported before the course's runtime turns the interpreter on (there is no GPU here), so that
@@ -474,6 +474,30 @@ from triton.experimental.gluon import language  # Gluon's own standard functions
 from triton.backends.compiler import GPUTarget
 
 from flashcourse.engine import hopper as fk
+
+
+def loops_without_selects(cubin):
+    # The SASS loops (a branch back to a label) that hold wgmma (HGMMA) and no select (SEL, FSEL): a mask compiles
+    # into selects on every score, so these are tile loops without mask code
+    path = os.path.join(os.environ["TRITON_CACHE_DIR"], "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+    labels, code = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\\s*(\\.L_x_\\d+):", line)
+        if label:
+            labels[label.group(1)] = len(code)
+        elif re.match(r"\\s+/\\*[0-9a-f]{4,}\\*/", line):
+            code.append(line)
+    count = 0
+    for end, line in enumerate(code):
+        target = re.search(r"BRA[^;]*?(\\.L_x_\\d+)", line)
+        if target and labels.get(target.group(1), end) < end:
+            body = code[labels[target.group(1)]:end + 1]
+            count += any("HGMMA" in x for x in body) and not any(re.search(r"\\bF?SEL\\b", x) for x in body)
+    return count
 
 if fk.gluon is None:
     print(json.dumps({"no gluon": triton.__version__}))
@@ -506,7 +530,8 @@ for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_sto
                     "e4m3": ptx.count(".e4m3.e4m3"), "shared": compiled.metadata.shared,
                     "tma_stores": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
                     "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)",
-                                                                     ptx)})})
+                                                                     ptx)}),
+                    "loops_without_selects": loops_without_selects(compiled.asm["cubin"])})
 print(json.dumps(results))
 """
 
@@ -517,7 +542,9 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     Triton 3.9, fails here before it fails on a Hopper. Each binary holds wgmma (on e4m3 tiles where FP8, and only
     there), fits in shared memory and gives its consumers 232 registers, or 160 when there are three; with
     the overlap across items too, and o written by TMA copies (and only there), the overlap's two Q buffers and
-    o's buffers side by side being the most shared memory any schedule asks for."""
+    o's buffers side by side being the most shared memory any schedule asks for. Without the overlap its SASS holds
+    a tile loop with no select (the tiles every row sees whole, without mask code); under the overlap, where one
+    loop decides each tile's mask, none."""
     import json
     import os
     import subprocess
@@ -544,6 +571,9 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         assert (result["tma_stores"] > 0) == config[8], (config, result)
         consumer_registers, other = (160, 232) if config[6] == 3 else (232, 160)
         assert consumer_registers in result["registers"] and other not in result["registers"], (config, result)
+        # without the overlap, the tiles every row sees whole run in a loop of their own with no mask code; under
+        # it one loop decides each tile's mask at run time, and its selects stand in that loop
+        assert (result["loops_without_selects"] > 0) == (not config[7]), (config, result)
 
 
 SM90_COMPILE_BACKWARD = """
