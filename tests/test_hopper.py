@@ -465,17 +465,7 @@ class Sm90Driver:  # stands in for the GPU driver: the target it names is an H10
 triton.runtime.driver.set_active(Sm90Driver())
 """
 
-SM90_COMPILE = """
-import json, os, re, subprocess, sys
-
-import torch
-import triton  # imported before the course's runtime turns the interpreter on (there is no GPU here), so that
-from triton.experimental.gluon import language  # Gluon's own standard functions are compiled ones
-from triton.backends.compiler import GPUTarget
-
-from flashcourse.engine import hopper as fk
-
-
+SM90_SASS = """
 def loops_without_selects(cubin):
     # The SASS loops (a branch back to a label) that hold wgmma (HGMMA) and no select (SEL, FSEL): a mask compiles
     # into selects on every score, so these are tile loops without mask code
@@ -499,12 +489,25 @@ def loops_without_selects(cubin):
             count += any("HGMMA" in x for x in body) and not any(re.search(r"\\bF?SEL\\b", x) for x in body)
     return count
 
+
+"""
+
+SM90_COMPILE = """
+import json, os, re, subprocess, sys
+
+import torch
+import triton  # imported before the course's runtime turns the interpreter on (there is no GPU here), so that
+from triton.experimental.gluon import language  # Gluon's own standard functions are compiled ones
+from triton.backends.compiler import GPUTarget
+
+from flashcourse.engine import hopper as fk
+
 if fk.gluon is None:
     print(json.dumps({"no gluon": triton.__version__}))
     sys.exit(0)
 os.environ["TRITON_INTERPRET"] = "0"
 
-""" + SM90_DRIVER + """gl, results = fk.gl, []
+""" + SM90_DRIVER + SM90_SASS + """gl, results = fk.gl, []
 
 
 def descriptor(x, block, dtype):
@@ -577,7 +580,7 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
 
 
 SM90_COMPILE_BACKWARD = """
-import contextlib, io, json, os, sys
+import contextlib, io, json, os, re, subprocess, sys
 
 import torch
 import triton  # imported before the course's runtime turns the interpreter on, as in SM90_COMPILE
@@ -591,7 +594,7 @@ if hb.gluon is None:
     sys.exit(0)
 os.environ["TRITON_INTERPRET"] = "0"
 
-""" + SM90_DRIVER + """results = []
+""" + SM90_DRIVER + SM90_SASS + """results = []
 for kernel, d, causal, atomic in json.loads(sys.argv[1]):
     x = torch.empty(1, 2, 512, d, dtype=torch.bfloat16)
     f = torch.empty(1, 2, 512)
@@ -614,7 +617,8 @@ for kernel, d, causal, atomic in json.loads(sys.argv[1]):
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
                     "adds": ptx.count("cp.reduce.async.bulk"),
                     "atomics": ptx.count("red.global") + ptx.count("atom.global"), "shared": compiled.metadata.shared,
-                    "ptxas_log": "registers" in ptxas_log.getvalue(), "serialized": "C7512" in ptxas_log.getvalue()})
+                    "ptxas_log": "registers" in ptxas_log.getvalue(), "serialized": "C7512" in ptxas_log.getvalue(),
+                    "loops_without_selects": loops_without_selects(compiled.asm["cubin"])})
 print(json.dumps(results))
 """
 
@@ -625,7 +629,8 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     reductions (no atomics from registers). ptxas does not serialize the products for want of registers (its
     warning C7512, under which each wgmma waits for the one before), as Triton 3.6's did to the atomic kernel under
     a causal mask at D = 128 while the kernel formed its products transposed, and would to dQ's product issued a
-    tile later at D = 128 (the kernel does that at D = 64 only)."""
+    tile later at D = 128 (the kernel does that at D = 64 only). Each holds a tile loop with no select: under a
+    causal mask the tiles the diagonal crosses run in a loop of their own."""
     import json
     import os
     import subprocess
@@ -646,6 +651,8 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
         assert result["shared"] <= 227 * 1024, (kernel, d, result)
         assert (result["adds"] > 0) == atomic and result["atomics"] == 0, (kernel, d, atomic, result)
         assert result["ptxas_log"] and not result["serialized"], (kernel, d, result)
+        # the tiles every row sees whole run in a loop of their own, with no mask code
+        assert result["loops_without_selects"] > 0, (kernel, d, causal, result)
 
 
 SM90_COMPILE_FP8 = """
