@@ -38,6 +38,8 @@ NOT_MEASURED = {   # decimal numbers in the prose that no measurement of ours gi
         "3.6": "Triton's version number",
         "3.9": "Triton's version number",
         "2.5": "the backward's matrix work over the forward's, five products against two, counted in the text",
+        "12.8": "the version of ptxas that Triton 3.6 brings",
+        "12.9": "a later version of ptxas",
     },
 }
 

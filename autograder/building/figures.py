@@ -365,6 +365,13 @@ def _variant_over_split(data, variant: str) -> list[float]:
     return [_best_over_best(r, "variant", "split") for r in data["variants"]["rows"] if r["scratch variant"] == variant]
 
 
+def _overlap_two_loops(data, dtype: str) -> list[float]:
+    """MASK_SPLIT: two loops under the overlap (the Q index passed through the first) over one loop, best against
+    best, in each row of dtype."""
+    return [_best_over_best(r, "two loops", "one loop") for r in data["overlap_two_loops"]["rows"]
+            if r["dtype"] == dtype]
+
+
 def _fp8_ncu(data, dtype: str) -> dict:
     """Step 5's kernel at causal T = 16k under Nsight Compute: profiled in bf16 first, then in FP8."""
     return _ncu_kernel(data, "hopper_fwd_kernel", {"bf16": 0, "fp8": 1}[dtype], t=16384)
@@ -537,6 +544,10 @@ FIGURES: dict[str, Figure] = {
     "hopper.mask_split.causal_d64_4k": Figure(MASK_SPLIT, lambda d: _mask_split(d, d=64, causal=True, t=4096)[0], 2),
     "hopper.mask_split.dq_min": Figure(MASK_SPLIT, lambda d: min(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
     "hopper.mask_split.dq_max": Figure(MASK_SPLIT, lambda d: max(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
+    "hopper.mask_split.overlap_bf16_min": Figure(MASK_SPLIT, lambda d: min(_overlap_two_loops(d, "bf16")), 2),
+    "hopper.mask_split.overlap_bf16_max": Figure(MASK_SPLIT, lambda d: max(_overlap_two_loops(d, "bf16")), 2),
+    "hopper.mask_split.overlap_fp8_min": Figure(MASK_SPLIT, lambda d: min(_overlap_two_loops(d, "fp8")), 2),
+    "hopper.mask_split.overlap_fp8_max": Figure(MASK_SPLIT, lambda d: max(_overlap_two_loops(d, "fp8")), 2),
     "hopper.mask_split.if_min": Figure(MASK_SPLIT, lambda d: min(_variant_over_split(d, "v_if")), 2),
     "hopper.mask_split.if_max": Figure(MASK_SPLIT, lambda d: max(_variant_over_split(d, "v_if")), 2),
     "hopper.fp8_fma_exp.min": Figure(MASK_SPLIT, lambda d: min(_best_over_best(r, "MUFU + FMA", "MUFU")
