@@ -353,23 +353,21 @@ def _best_over_best(row: dict, column: str, over: str) -> float:
     return max(row[column], row[f"{column} (2)"]) / max(row[over], row[f"{over} (2)"])
 
 
+def _best_over_best_ratios(rows, column: str, over: str, **match) -> list[float]:
+    """_best_over_best of column over `over` in each row of rows whose fields equal match's."""
+    return [_best_over_best(r, column, over) for r in rows if _matches(r, match)]
+
+
 def _mask_split(data, **match) -> list[float]:
     """MASK_SPLIT: the split over one loop, in the forward rows it applies to (all but causal T <= 2k) whose fields
     equal match's, or in the backward rows (dtype="bf16 backward, two kernels")."""
-    return [_best_over_best(r, "split", "before") for r in data["rows"] if _matches(r, {"dtype": "bf16"} | match)
-            and not (r["causal"] and r["t"] <= 2048 and "backward" not in r["dtype"])]
+    rows = [r for r in data["rows"] if not (r["causal"] and r["t"] <= 2048 and "backward" not in r["dtype"])]
+    return _best_over_best_ratios(rows, "split", "before", **({"dtype": "bf16"} | match))
 
 
 def _variant_over_split(data, variant: str) -> list[float]:
     """MASK_SPLIT: a scratch variant of the split over the split, in each row that timed it."""
-    return [_best_over_best(r, "variant", "split") for r in data["variants"]["rows"] if r["scratch variant"] == variant]
-
-
-def _overlap_two_loops(data, dtype: str) -> list[float]:
-    """MASK_SPLIT: two loops under the overlap (the Q index passed through the first) over one loop, best against
-    best, in each row of dtype."""
-    return [_best_over_best(r, "two loops", "one loop") for r in data["overlap_two_loops"]["rows"]
-            if r["dtype"] == dtype]
+    return _best_over_best_ratios(data["variants"]["rows"], "variant", "split", **{"scratch variant": variant})
 
 
 def _fp8_ncu(data, dtype: str) -> dict:
@@ -544,16 +542,20 @@ FIGURES: dict[str, Figure] = {
     "hopper.mask_split.causal_d64_4k": Figure(MASK_SPLIT, lambda d: _mask_split(d, d=64, causal=True, t=4096)[0], 2),
     "hopper.mask_split.dq_min": Figure(MASK_SPLIT, lambda d: min(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
     "hopper.mask_split.dq_max": Figure(MASK_SPLIT, lambda d: max(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
-    "hopper.mask_split.overlap_bf16_min": Figure(MASK_SPLIT, lambda d: min(_overlap_two_loops(d, "bf16")), 2),
-    "hopper.mask_split.overlap_bf16_max": Figure(MASK_SPLIT, lambda d: max(_overlap_two_loops(d, "bf16")), 2),
-    "hopper.mask_split.overlap_fp8_min": Figure(MASK_SPLIT, lambda d: min(_overlap_two_loops(d, "fp8")), 2),
-    "hopper.mask_split.overlap_fp8_max": Figure(MASK_SPLIT, lambda d: max(_overlap_two_loops(d, "fp8")), 2),
+    "hopper.mask_split.overlap_bf16_min": Figure(MASK_SPLIT, lambda d: min(_best_over_best_ratios(
+        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="bf16")), 2),
+    "hopper.mask_split.overlap_bf16_max": Figure(MASK_SPLIT, lambda d: max(_best_over_best_ratios(
+        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="bf16")), 2),
+    "hopper.mask_split.overlap_fp8_min": Figure(MASK_SPLIT, lambda d: min(_best_over_best_ratios(
+        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="fp8")), 2),
+    "hopper.mask_split.overlap_fp8_max": Figure(MASK_SPLIT, lambda d: max(_best_over_best_ratios(
+        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="fp8")), 2),
     "hopper.mask_split.if_min": Figure(MASK_SPLIT, lambda d: min(_variant_over_split(d, "v_if")), 2),
     "hopper.mask_split.if_max": Figure(MASK_SPLIT, lambda d: max(_variant_over_split(d, "v_if")), 2),
-    "hopper.fp8_fma_exp.min": Figure(MASK_SPLIT, lambda d: min(_best_over_best(r, "MUFU + FMA", "MUFU")
-                                                               for r in d["fp8_exponentials_on_fma"]["rows"]), 2),
-    "hopper.fp8_fma_exp.max": Figure(MASK_SPLIT, lambda d: max(_best_over_best(r, "MUFU + FMA", "MUFU")
-                                                               for r in d["fp8_exponentials_on_fma"]["rows"]), 2),
+    "hopper.fp8_fma_exp.min": Figure(MASK_SPLIT, lambda d: min(_best_over_best_ratios(
+        d["fp8_exponentials_on_fma"]["rows"], "MUFU + FMA", "MUFU")), 2),
+    "hopper.fp8_fma_exp.max": Figure(MASK_SPLIT, lambda d: max(_best_over_best_ratios(
+        d["fp8_exponentials_on_fma"]["rows"], "MUFU + FMA", "MUFU")), 2),
     "hopper.key64.over_hopper_min": Figure(KEY_TILES_64, lambda d: min(_key_tiles_64(d)), 2),
     "hopper.key64.over_hopper_max": Figure(KEY_TILES_64, lambda d: max(_key_tiles_64(d)), 2),
     "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "hopper_fwd", **_T1K_CAUSAL)[
