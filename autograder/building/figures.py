@@ -52,6 +52,7 @@ FP8_SCHEDULE = "flashcourse/bench/measured/fp8_schedule.json"    # 08: FP8 with 
 FP8_SCHEDULE_END = "benchmarks/results/2026-12-06-h100-fp8-schedule-end-to-end.json"  # 08: fp8_attention with it
 FP8_NCU = "benchmarks/results/2026-12-06-h100-fp8-ncu.json"   # 08: Nsight Compute, hopper_fp8_forward beside bf16
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
+BARRIERS = "benchmarks/results/2026-12-06-h100-forward-barriers.json"  # 08: barrier stalls, Triton's bar.syncs dropped
 BACKWARD_PERSISTENT = "benchmarks/results/2026-12-06-h100-backward-persistent.json"  # 08, step 8: persistent dK/dV
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
 HOPPER_BACKWARD_FIRST = "benchmarks/results/2026-12-04-h200-hopper-backward.json"  # 08, step 8: its first version
@@ -386,6 +387,32 @@ def _ncu_kernel(data, name: str, nth: int = 0, **match) -> dict:
     return [k for k in data["kernels"] if name in k["kernel"] and _matches(k, match)][nth]
 
 
+def _parked(issue_rate: float) -> float:
+    """Barrier stalls (warps per issued instruction) that three warps waiting at a barrier for a whole kernel add:
+    3/4 of a warp per warp scheduler in every cycle, over the instructions a scheduler issues per cycle."""
+    return 0.75 / issue_rate
+
+
+def _barrier_kernel(data, name: str, t: int = 1024, causal: bool = True, d: int = 128) -> dict:
+    """The forward-barriers profile's kernel whose name holds `name` ("cuDNN", "hopper_attention", "loose")."""
+    return _ncu_kernel(data, name, t=t, causal=causal, d=d)
+
+
+def _without_bar_syncs(data) -> list[float]:
+    """Each forward row's median TFLOP/s with Triton's warpgroup bar.syncs dropped (both copies) over the kernel's
+    as it is, the median of each column's rounds."""
+    import statistics
+
+    return [statistics.median(r["tflops"][copy]) / statistics.median(r["tflops"]["main"])
+            for r in data["forward"] for copy in ("strict", "loose")]
+
+
+def _d64_time_over_cudnn(data) -> list[float]:
+    """hopper_attention's time over cuDNN's at every D = 64 shape of the forward-barriers profile."""
+    return [_barrier_kernel(data, "hopper_attention", k["t"], k["causal"], 64)["duration_us"] / k["duration_us"]
+            for k in data["kernels"] if k["kernel"] == "cuDNN" and k["d"] == 64]
+
+
 def _arrangement(data, column: str, over: str = "transposed") -> list[float]:
     """One dK/dV arrangement's speed over another's, every row of step 8's H100 comparison (cuDNN: "SDPA cuDNN"),
     from the ratios to the transposed kernel that the run printed to three decimals (its TFLOP/s are rounded)."""
@@ -528,6 +555,21 @@ FIGURES: dict[str, Figure] = {
         "barrier"], 1),
     "hbwd.ncu.one_barrier": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"][
         "barrier"], 1),
+    "hbwd.ncu.one_parked": Figure(BACKWARD_NCU, lambda d: _parked(_ncu_kernel(d, "hopper_dkdv", 1)["issue_slots_pct"]
+                                                                  / 100), 1),
+    "hopper.bars.stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "hopper_attention")["stall_barrier"], 2),
+    "hopper.bars.loose_stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "loose")["stall_barrier"], 2),
+    "hopper.bars.cudnn_stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "cuDNN")["stall_barrier"], 2),
+    "hopper.bars.parked_1k": Figure(BARRIERS, lambda d: _parked(
+        _barrier_kernel(d, "hopper_attention")["issue_active_per_cycle"]), 2),
+    "hopper.bars.warps": Figure(BARRIERS, lambda d: _barrier_kernel(d, "hopper_attention")["warps_active_per_sm"]),
+    "hopper.bars.cudnn_warps": Figure(BARRIERS, lambda d: _barrier_kernel(d, "cuDNN")["warps_active_per_sm"]),
+    "hopper.bars.time_over_cudnn_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "hopper_attention")[
+        "duration_us"] / _barrier_kernel(d, "cuDNN")["duration_us"], 2),
+    "hopper.bars.without_min": Figure(BARRIERS, lambda d: min(_without_bar_syncs(d)), 2),
+    "hopper.bars.without_max": Figure(BARRIERS, lambda d: max(_without_bar_syncs(d)), 2),
+    "hopper.bars.d64_over_cudnn_min": Figure(BARRIERS, lambda d: min(_d64_time_over_cudnn(d)), 2),
+    "hopper.bars.d64_over_cudnn_max": Figure(BARRIERS, lambda d: max(_d64_time_over_cudnn(d)), 2),
     "hopper.tma_store.causal_1k": Figure(TMA_STORE, lambda d: _best_ratios(
         d["rows"], "o by TMA", "main", causal=True, t=1024)[0], 2),
     "hopper.tma_store.causal_1k_of_cudnn": Figure(TMA_STORE, lambda d: _best_ratios(
