@@ -557,6 +557,8 @@ FIGURES: dict[str, Figure] = {
         "barrier"], 1),
     "hbwd.ncu.one_parked": Figure(BACKWARD_NCU, lambda d: _parked(_ncu_kernel(d, "hopper_dkdv", 1)["issue_slots_pct"]
                                                                   / 100), 1),
+    "hbwd.ncu.one_own": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"]["barrier"]
+                               - _parked(_ncu_kernel(d, "hopper_dkdv", 1)["issue_slots_pct"] / 100), 1),
     "hopper.bars.stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "hopper_attention")["stall_barrier"], 2),
     "hopper.bars.loose_stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "loose")["stall_barrier"], 2),
     "hopper.bars.cudnn_stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "cuDNN")["stall_barrier"], 2),
