@@ -316,10 +316,10 @@ def test_hopper_attention_falls_back_to_fast_attention():
 
 def test_hopper_schedule_follows_the_measured_rule():
     """Persistent causal up to T = 4k and always without a mask; the ping-pong without a mask up to T = 2k; three
-    consumers causal at D = 64 from T = 4k."""
+    consumers causal at D = 64 from T = 8k."""
     from flashcourse.engine.hopper import hopper_consumers, hopper_overlap, hopper_schedule
 
-    assert [hopper_consumers(t, 64, True) for t in (1024, 2048, 4096, 16384)] == [2, 2, 3, 3]
+    assert [hopper_consumers(t, 64, True) for t in (1024, 2048, 4096, 8192, 16384)] == [2, 2, 2, 3, 3]
     assert [hopper_overlap(t, 128, True) for t in (1024, 2048, 4096, 16384)] == [True, True, False, False]
     assert not hopper_overlap(1024, 128, False)
     assert hopper_consumers(16384, 128, True) == hopper_consumers(16384, 64, False) == 2

@@ -52,6 +52,8 @@ FP8_SCHEDULE = "flashcourse/bench/measured/fp8_schedule.json"    # 08: FP8 with 
 FP8_SCHEDULE_END = "benchmarks/results/2026-12-06-h100-fp8-schedule-end-to-end.json"  # 08: fp8_attention with it
 FP8_NCU = "benchmarks/results/2026-12-06-h100-fp8-ncu.json"   # 08: Nsight Compute, hopper_fp8_forward beside bf16
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
+CONSUMERS_SPLIT = "benchmarks/results/2026-12-06-h100-hopper-consumers-after-split.json"  # 08: the same, later
+CONSUMERS_SIX = "benchmarks/results/2026-12-06-h100-hopper-consumers-six-rounds.json"  # 08: the same, six rounds
 BARRIERS = "benchmarks/results/2026-12-06-h100-forward-barriers.json"  # 08: barrier stalls, Triton's bar.syncs dropped
 BACKWARD_PERSISTENT = "benchmarks/results/2026-12-06-h100-backward-persistent.json"  # 08, step 8: persistent dK/dV
 HOPPER_BACKWARD = "flashcourse/bench/measured/hopper_backward.json"  # 08, step 8: the Gluon backward (bench.hopper_backward)
@@ -796,6 +798,16 @@ FIGURES: dict[str, Figure] = {
     "hopper.c3.cudnn_causal_16k": Figure(CONSUMERS, lambda d: _consumers_row(d, 16384)["SDPA cuDNN"]),
     "hopper.c3.identical": Figure(CONSUMERS, lambda d: sum(r["identical"] for r in d["consumers"])),
     "hopper.c3.rows": Figure(CONSUMERS, lambda d: len(d["consumers"])),
+    "hopper.c3.split_4k": Figure(CONSUMERS_SPLIT, lambda d: _three_over_two(
+        d, causal=True, t_at_least=4096, t_at_most=4096, kv_heads=32)[0], 2),
+    "hopper.c3.six_4k": Figure(CONSUMERS_SIX, lambda d: _three_over_two(
+        d, causal=True, t_at_least=4096, t_at_most=4096, kv_heads=32)[0], 2),
+    "hopper.c3.six_4k_gqa": Figure(CONSUMERS_SIX, lambda d: _three_over_two(
+        d, causal=True, t_at_least=4096, t_at_most=4096, kv_heads=8)[0], 2),
+    "hopper.c3.six_from_8k_min": Figure(CONSUMERS_SIX, lambda d: min(_three_over_two(
+        d, causal=True, t_at_least=8192)), 2),
+    "hopper.c3.six_from_8k_max": Figure(CONSUMERS_SIX, lambda d: max(_three_over_two(
+        d, causal=True, t_at_least=8192)), 2),
     "hopper.overlap.short_min": Figure(OVERLAP, lambda d: min(_overlap_gain(d, causal=True, t_at_most=2048)), 2),
     "hopper.overlap.short_max": Figure(OVERLAP, lambda d: max(_overlap_gain(d, causal=True, t_at_most=2048)), 2),
     "hopper.overlap.short_mha_min": Figure(OVERLAP, lambda d: min(_overlap_gain(d, causal=True, t_at_most=2048,

@@ -562,9 +562,10 @@ def hopper_schedule(t, causal):
 
 def hopper_consumers(t, d, causal):
     """Consumer warpgroups for hopper_attention: three (192 query rows an item) where they were measured faster
-    than two (python -m flashcourse.bench.fast --consumers): causal, D = 64, T >= 4k. Without a mask the third
-    consumer's 160 registers spill; at short T its longer items leave multiprocessors idle at the grid's end."""
-    return 3 if causal and d == 64 and t >= 4096 else 2
+    than two (python -m flashcourse.bench.fast --consumers): causal, D = 64, T >= 8k. At T = 4k two ran level
+    with three once the tiles every row sees whole lost their mask code; without a mask the third consumer's 160
+    registers spill; at short T its longer items leave multiprocessors idle at the grid's end."""
+    return 3 if causal and d == 64 and t >= 8192 else 2
 
 
 def hopper_overlap(t, d, causal):
