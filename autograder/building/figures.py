@@ -279,12 +279,13 @@ _tma_store_gain = functools.partial(_second_over_first, choice="tma_store")   # 
 
 
 def _overlap_repeats(data) -> list[float]:
-    """hopper_attention over the column of the same setting, timed just after it, at every --overlap row."""
-    from flashcourse.engine.hopper import hopper_consumers, hopper_overlap
+    """hopper_attention over the column of the same setting, timed just after it, at every --overlap row where that
+    run's hopper_attention took two consumers (all but causal D = 64 from T = 4k, its rule then)."""
+    from flashcourse.engine.hopper import hopper_overlap
 
     same = {True: "overlap", False: "one item at a time"}
     return [r["hopper_attention"] / r[same[hopper_overlap(r["t"], r["d"], r["causal"])]]
-            for r in data["overlap"] if hopper_consumers(r["t"], r["d"], r["causal"]) == 2]
+            for r in data["overlap"] if not (r["causal"] and r["d"] == 64 and r["t"] >= 4096)]
 
 
 def _consumers_row(data, t: int) -> dict:
