@@ -276,3 +276,31 @@ def test_fast_attention_lse_applies_a_window(window, offset):
     for bad in (dict(window=0), dict(window=4, causal=False)):
         with pytest.raises(ValueError, match="window"):
             fast_attention_lse(q, k, v, **bad)
+
+
+def test_ncu_summary_reads_the_raw_page(tmp_path):
+    """Nsight Compute's raw CSV: each metric by name, the duration in microseconds whatever its unit, the five
+    largest stall reasons without "selected", and a missing metric as NaN."""
+    import math
+
+    from flashcourse.bench.fast import NCU_METRICS, ncu_summary
+
+    stalls = {"barrier": 3.14, "wait": 1.47, "long_scoreboard": 1.03, "no_instruction": 0.45, "gmma": 0.2,
+              "dispatch_stall": 0.29, "selected": 1.0}
+    values = {NCU_METRICS["duration_us"]: "0.588", NCU_METRICS["warps_active_per_sm"]: "11.999",
+              NCU_METRICS["issue_active_per_cycle"]: "0.35", NCU_METRICS["tensor_pipe_pct"]: "1,058.0",
+              **{f"smsp__average_warps_issue_stalled_{k}_per_issue_active.ratio": str(v) for k, v in stalls.items()}}
+    header = ["Kernel Name", *values]
+    units = ["", *("ms" if name == NCU_METRICS["duration_us"] else "" for name in values)]
+    path = tmp_path / "raw.csv"
+    path.write_text("==PROF== a line that is not a row\n" + "\n".join(
+        ",".join(f'"{cell}"' for cell in row) for row in
+        (header, units, ["hopper_fwd_kernel(args)", *values.values()])) + "\n")
+    (kernel,) = ncu_summary(str(path), 1024)
+    assert kernel["kernel"] == "hopper_fwd_kernel" and kernel["t"] == 1024
+    assert kernel["duration_us"] == pytest.approx(588.0)
+    assert kernel["warps_active_per_sm"] == pytest.approx(11.999) and kernel["issue_active_per_cycle"] == 0.35
+    assert kernel["tensor_pipe_pct"] == pytest.approx(1058.0)
+    assert list(kernel["stalls_per_issue"]) == ["barrier", "wait", "long_scoreboard", "no_instruction",
+                                                "dispatch_stall"]
+    assert math.isnan(kernel["dram_active_pct"])

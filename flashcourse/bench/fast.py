@@ -676,6 +676,8 @@ NCU_METRICS = {   # what the notebook reads from Nsight Compute's raw page, by m
     "xu_pipe_pct": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",   # exponentials, conversions
     "issue_slots_pct": "sm__inst_issued.avg.pct_of_peak_sustained_elapsed",
     "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "warps_active_per_sm": "sm__warps_active.avg.per_cycle_active",      # resident warps, idle ones included
+    "issue_active_per_cycle": "smsp__issue_active.avg.per_cycle_active",  # instructions a scheduler issues a cycle
     "dram_active_pct": "dram__cycles_active.avg.pct_of_peak_sustained_elapsed",
     "registers": "launch__registers_per_thread",
     "grid": "launch__grid_size",
@@ -688,7 +690,8 @@ def ncu_summary(csv_path: str, t: int) -> list[dict]:
     """Nsight Compute's raw CSV (`--page raw --csv`) reduced to NCU_METRICS and the stall reasons per kernel.
 
     A stall reason's value is the warps waiting for it per issued instruction ("selected", the warp
-    that issued, is left out); the five largest are kept.
+    that issued, is left out); the five largest are kept. A warp that waits at a barrier for the whole kernel
+    (a warp-specialized kernel's warps that hold no partition) adds 1/4 / issue_active_per_cycle to "barrier".
     """
     import csv
 
