@@ -369,6 +369,17 @@ def _mask_split(data, **match) -> list[float]:
     return _best_over_best_ratios(rows, "split", "before", **({"dtype": "bf16"} | match))
 
 
+def _two_loops_over_one(data, dtype: str) -> list[float]:
+    """MASK_SPLIT: two loops under the overlap (the Q index passed through the first) over one loop, in each row of
+    dtype."""
+    return _best_over_best_ratios(data["overlap_two_loops"]["rows"], "two loops", "one loop", dtype=dtype)
+
+
+def _fma_exp_over_mufu(data) -> list[float]:
+    """MASK_SPLIT: FP8 with half of P's exponentials on the FMA pipe over all of them on MUFU, in each row."""
+    return _best_over_best_ratios(data["fp8_exponentials_on_fma"]["rows"], "MUFU + FMA", "MUFU")
+
+
 def _variant_over_split(data, variant: str) -> list[float]:
     """MASK_SPLIT: a scratch variant of the split over the split, in each row that timed it."""
     return _best_over_best_ratios(data["variants"]["rows"], "variant", "split", **{"scratch variant": variant})
@@ -394,6 +405,12 @@ def _parked(issue_rate: float) -> float:
     """Barrier stalls (warps per issued instruction) that three warps waiting at a barrier for a whole kernel add:
     3/4 of a warp per warp scheduler in every cycle, over the instructions a scheduler issues per cycle."""
     return 0.75 / issue_rate
+
+
+def _one_kernel_parked(data) -> float:
+    """BACKWARD_NCU: _parked at the one kernel's issue rate, its share of the issue slots (that profile kept no
+    per-scheduler rate)."""
+    return _parked(_ncu_kernel(data, "hopper_dkdv", 1)["issue_slots_pct"] / 100)
 
 
 def _barrier_kernel(data, name: str, t: int = 1024, causal: bool = True, d: int = 128) -> dict:
@@ -558,10 +575,9 @@ FIGURES: dict[str, Figure] = {
         "barrier"], 1),
     "hbwd.ncu.one_barrier": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"][
         "barrier"], 1),
-    "hbwd.ncu.one_parked": Figure(BACKWARD_NCU, lambda d: _parked(_ncu_kernel(d, "hopper_dkdv", 1)["issue_slots_pct"]
-                                                                  / 100), 1),
+    "hbwd.ncu.one_parked": Figure(BACKWARD_NCU, _one_kernel_parked, 1),
     "hbwd.ncu.one_own": Figure(BACKWARD_NCU, lambda d: _ncu_kernel(d, "hopper_dkdv", 1)["stalls_per_issue"]["barrier"]
-                               - _parked(_ncu_kernel(d, "hopper_dkdv", 1)["issue_slots_pct"] / 100), 1),
+                               - _one_kernel_parked(d), 1),
     "hopper.bars.stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "hopper_attention")["stall_barrier"], 2),
     "hopper.bars.loose_stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "loose")["stall_barrier"], 2),
     "hopper.bars.cudnn_stall_1k": Figure(BARRIERS, lambda d: _barrier_kernel(d, "cuDNN")["stall_barrier"], 2),
@@ -589,20 +605,14 @@ FIGURES: dict[str, Figure] = {
     "hopper.mask_split.causal_d64_4k": Figure(MASK_SPLIT, lambda d: _mask_split(d, d=64, causal=True, t=4096)[0], 2),
     "hopper.mask_split.dq_min": Figure(MASK_SPLIT, lambda d: min(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
     "hopper.mask_split.dq_max": Figure(MASK_SPLIT, lambda d: max(_mask_split(d, dtype="bf16 backward, two kernels")), 2),
-    "hopper.mask_split.overlap_bf16_min": Figure(MASK_SPLIT, lambda d: min(_best_over_best_ratios(
-        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="bf16")), 2),
-    "hopper.mask_split.overlap_bf16_max": Figure(MASK_SPLIT, lambda d: max(_best_over_best_ratios(
-        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="bf16")), 2),
-    "hopper.mask_split.overlap_fp8_min": Figure(MASK_SPLIT, lambda d: min(_best_over_best_ratios(
-        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="fp8")), 2),
-    "hopper.mask_split.overlap_fp8_max": Figure(MASK_SPLIT, lambda d: max(_best_over_best_ratios(
-        d["overlap_two_loops"]["rows"], "two loops", "one loop", dtype="fp8")), 2),
+    "hopper.mask_split.overlap_bf16_min": Figure(MASK_SPLIT, lambda d: min(_two_loops_over_one(d, "bf16")), 2),
+    "hopper.mask_split.overlap_bf16_max": Figure(MASK_SPLIT, lambda d: max(_two_loops_over_one(d, "bf16")), 2),
+    "hopper.mask_split.overlap_fp8_min": Figure(MASK_SPLIT, lambda d: min(_two_loops_over_one(d, "fp8")), 2),
+    "hopper.mask_split.overlap_fp8_max": Figure(MASK_SPLIT, lambda d: max(_two_loops_over_one(d, "fp8")), 2),
     "hopper.mask_split.if_min": Figure(MASK_SPLIT, lambda d: min(_variant_over_split(d, "v_if")), 2),
     "hopper.mask_split.if_max": Figure(MASK_SPLIT, lambda d: max(_variant_over_split(d, "v_if")), 2),
-    "hopper.fp8_fma_exp.min": Figure(MASK_SPLIT, lambda d: min(_best_over_best_ratios(
-        d["fp8_exponentials_on_fma"]["rows"], "MUFU + FMA", "MUFU")), 2),
-    "hopper.fp8_fma_exp.max": Figure(MASK_SPLIT, lambda d: max(_best_over_best_ratios(
-        d["fp8_exponentials_on_fma"]["rows"], "MUFU + FMA", "MUFU")), 2),
+    "hopper.fp8_fma_exp.min": Figure(MASK_SPLIT, lambda d: min(_fma_exp_over_mufu(d)), 2),
+    "hopper.fp8_fma_exp.max": Figure(MASK_SPLIT, lambda d: max(_fma_exp_over_mufu(d)), 2),
     "hopper.key64.over_hopper_min": Figure(KEY_TILES_64, lambda d: min(_key_tiles_64(d)), 2),
     "hopper.key64.over_hopper_max": Figure(KEY_TILES_64, lambda d: max(_key_tiles_64(d)), 2),
     "hopper.ncu.time_over_cudnn_1k": Figure(FORWARD_NCU, lambda d: _ncu_kernel(d, "hopper_fwd", **_T1K_CAUSAL)[
