@@ -418,6 +418,20 @@ def _barrier_kernel(data, name: str, t: int = 1024, causal: bool = True, d: int 
     return _ncu_kernel(data, name, t=t, causal=causal, d=d)
 
 
+def _pipes(data, name: str = "hopper_attention", t: int = 1024, causal: bool = True,
+           d: int = 128) -> tuple[float, float]:
+    """(tensor pipe %, XU pipe %) of one kernel of the forward-barriers profile: the shares of the multiprocessors'
+    active cycles in which the products and the exponentials kept their pipes busy."""
+    kernel = _barrier_kernel(data, name, t, causal, d)
+    return kernel["tensor_pipe_pct"], kernel["xu_pipe_pct"]
+
+
+def _xu_over_tensor(data, **kernel) -> float:
+    """How long the exponentials' pipe was busy over how long the tensor pipe was, in one kernel (_pipes' fields)."""
+    tensor, xu = _pipes(data, **kernel)
+    return xu / tensor
+
+
 def _without_bar_syncs(data) -> list[float]:
     """Each forward row's median TFLOP/s with Triton's warpgroup bar.syncs dropped (both copies) over the kernel's
     as it is, the median of each column's rounds."""
@@ -591,6 +605,10 @@ FIGURES: dict[str, Figure] = {
     "hopper.bars.without_max": Figure(BARRIERS, lambda d: max(_without_bar_syncs(d)), 2),
     "hopper.bars.d64_over_cudnn_min": Figure(BARRIERS, lambda d: min(_d64_time_over_cudnn(d)), 2),
     "hopper.bars.d64_over_cudnn_max": Figure(BARRIERS, lambda d: max(_d64_time_over_cudnn(d)), 2),
+    "hopper.bars.xu_over_tensor_d64": Figure(BARRIERS, lambda d: _xu_over_tensor(d, causal=False, d=64), 2),
+    "hopper.bars.xu_over_tensor_d128": Figure(BARRIERS, lambda d: _xu_over_tensor(d), 2),
+    "hopper.bars.pipes_sum_d64": Figure(BARRIERS, lambda d: sum(_pipes(d, causal=False, d=64)), 1),
+    "hopper.bars.cudnn_pipes_sum_d64": Figure(BARRIERS, lambda d: sum(_pipes(d, "cuDNN", causal=False, d=64)), 1),
     "hopper.tma_store.causal_1k": Figure(TMA_STORE, lambda d: _best_ratios(
         d["rows"], "o by TMA", "main", causal=True, t=1024)[0], 2),
     "hopper.tma_store.causal_1k_of_cudnn": Figure(TMA_STORE, lambda d: _best_ratios(
