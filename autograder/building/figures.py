@@ -418,11 +418,11 @@ def _barrier_kernel(data, name: str, t: int = 1024, causal: bool = True, d: int 
     return _ncu_kernel(data, name, t=t, causal=causal, d=d)
 
 
-def _pipes(data, name: str = "hopper_attention", t: int = 1024, causal: bool = True,
-           d: int = 128) -> tuple[float, float]:
-    """(tensor pipe %, XU pipe %) of one kernel of the forward-barriers profile: the shares of the multiprocessors'
-    active cycles in which the products and the exponentials kept their pipes busy."""
-    kernel = _barrier_kernel(data, name, t, causal, d)
+def _pipes(data, name: str = "hopper_attention", **shape) -> tuple[float, float]:
+    """(tensor pipe %, XU pipe %) of one kernel of the forward-barriers profile (_barrier_kernel's name and shape):
+    the shares of the multiprocessors' active cycles in which the products and the exponentials kept their pipes
+    busy."""
+    kernel = _barrier_kernel(data, name, **shape)
     return kernel["tensor_pipe_pct"], kernel["xu_pipe_pct"]
 
 
