@@ -345,15 +345,15 @@ def test_hopper_report():
                         "1.0e-03 | 2.0e-03 | 100.0 | 101.0 | 102.0 | 103.0 |")
 
 
-def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
+def test_time_row_takes_turns_and_keeps_the_median(monkeypatch):
     """Rounds alternate the order of the implementations (a, b, c, then c, b, a) and every pair of rounds starts
-    one place later (b, c, a, then a, c, b), so that each takes every place; each keeps its fastest round, and
-    one that fails every round is NaN, not a number from another round."""
+    one place later (b, c, a, then a, c, b), so that each takes every place; each keeps the median of its rounds
+    (not one lucky round), and one that fails every round is NaN, not a number from another round."""
     import math
 
     from flashcourse.bench import fast
 
-    calls, times = [], {"a": [2.0, 1.0, 3.0, 3.0], "b": [4.0, 5.0, 6.0, 4.0], "c": [math.nan] * 4}
+    calls, times = [], {"a": [2.0, 1.0, 2.0, 4.0], "b": [2.0, 8.0, 4.0, 4.0], "c": [math.nan] * 4}
     monkeypatch.setattr(fast, "_ms", lambda fn: fn())
 
     def timed(name):
@@ -365,14 +365,14 @@ def test_time_row_takes_turns_and_keeps_the_best(monkeypatch):
     row = {}
     fast._time_row(row, {name: timed(name) for name in "abc"}, flops=1e9, rounds=4)
     assert calls == ["a", "b", "c", "c", "b", "a", "b", "c", "a", "a", "c", "b"]
-    assert row["rounds"] == 4 and row["rotated"]
-    assert row["a"] == 1.0 and row["b"] == 0.25 and math.isnan(row["c"])
+    assert row["rounds"] == 4 and row["rotated"] and row["statistic"] == "median"
+    assert row["a"] == 0.5 and row["b"] == 0.25 and math.isnan(row["c"])   # a's best round alone would be 1.0
 
 
 @pytest.mark.parametrize("choice", ["consumers", "overlap", "tma_store"])
 def test_choice_report(choice):
     """--consumers', --overlap's and --tma-store's table: one row per shape, the second setting over the first and
-    each over cuDNN from its columns, and the number of rounds each figure is the best of."""
+    each over cuDNN from its columns, and how many rounds each figure is the median (or best) of."""
     from flashcourse.bench.fast import HOPPER_CHOICES, choice_report
 
     first, second = HOPPER_CHOICES[choice][1]
@@ -385,14 +385,17 @@ def test_choice_report(choice):
     assert table[0].count(first) == 3 and table[0].count(second) == 3   # its column, the ratio and over cuDNN
     assert table[2] == ("| bf16 | yes | 64 | 32/8 | 4096 | 8 | 400.0 | 300.0 | 420.0 | 390.0 | 420.0 | 1.077 | "
                         "0.975 | 1.050 | 1.050 | no |")
-    # the rounds a run took are stated; a row saved before --rounds existed was the best of two
+    # the rounds a run took and their statistic are stated; a row saved before --rounds existed was the best of
+    # two, one saved before the median the best of its rounds
     assert "the best of 2 rounds" in choice_report({"environment": "a test", choice: [row]}, choice)
     assert "the best of 5 rounds" in choice_report({"environment": "a test", choice: [{**row, "rounds": 5}]}, choice)
+    median = {**row, "rounds": 5, "statistic": "median"}
+    assert "the median of 5 rounds" in choice_report({"environment": "a test", choice: [median]}, choice)
 
 
 def test_fp8_schedule_report():
     """--fp8-schedule's table: one row per shape, its FP8 default over step 5's choice, over bf16 and over cuDNN
-    from its columns, and the rounds each figure is the best of."""
+    from its columns, and how many rounds each figure is the median (or best) of."""
     from flashcourse.bench.fast import FP8_SCHEDULE_STEPS, fp8_schedule_report
 
     steps = list(FP8_SCHEDULE_STEPS)

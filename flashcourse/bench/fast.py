@@ -29,6 +29,7 @@ import functools
 import json
 import math
 import re
+import statistics
 
 import torch
 
@@ -562,7 +563,7 @@ FP8_SCHEDULE_NAMES = ["SDPA cuDNN", "hopper_attention", *FP8_SCHEDULE_STEPS]   #
 def fp8_schedule(grid=FP8_SCHEDULE, d=128, heads=32, rows=None, done=lambda: None, rounds=3) -> list[dict]:
     """hopper_fp8_forward on prepared inputs with step 5's choice of persistent programs (the overlap and o by TMA
     off), then persistent, the overlap and o by TMA added one at a time (the last is its default), beside
-    hopper_attention in bf16 and SDPA cuDNN: TFLOP/s, the best of `rounds` rounds; whether each gave the first's o
+    hopper_attention in bf16 and SDPA cuDNN: TFLOP/s, the median of `rounds` rounds; whether each gave the first's o
     bit for bit."""
     from torch.nn.attention import SDPBackend
 
@@ -917,12 +918,15 @@ def _prefill_cases(grid):
 
 def _time_row(row, impls, flops, rounds=1) -> None:
     """row[name] = TFLOP/s of each implementation (flops: one count for all, or a dict of counts by name), NaN
-    where one fails; with rounds > 1 the best of that many rounds, the implementations taking turns, in reverse
+    where one fails; with rounds > 1 the median of that many rounds, the implementations taking turns, in reverse
     order every other round and, after each pair of rounds, starting one place later: neither a slow moment of
     the GPU nor a place in the order (on an H100 a kernel timed just after another could run several percent
-    slower than the same kernel timed elsewhere in the round) favours one of them. row also records the rounds
-    and whether the order moved (its reports say how each figure was timed)."""
-    row["rounds"], row["rotated"] = rounds, rounds > 2
+    slower than the same kernel timed elsewhere in the round) favours one of them. The median, not the best: on
+    an H200 one kernel's best rounds in two columns of one table lay up to 8 % apart, and one fast round moved a
+    ratio over cuDNN by up to 3.5 % where the medians agreed (in benchmarks/results,
+    2026-12-07-h200-hopper-overlap-five-rounds.md and 2026-12-07-h200-same-kernel-rounds.md). row also records
+    the rounds, whether the order moved and the statistic (its reports say how each figure was timed)."""
+    row["rounds"], row["rotated"], row["statistic"] = rounds, rounds > 2, "median"
     order = list(impls)
     times = {name: [] for name in order}
     for round_ in range(rounds):
@@ -932,15 +936,18 @@ def _time_row(row, impls, flops, rounds=1) -> None:
             times[name].append(_or_nan(_ms, impls[name]))
     for name in order:
         work = flops[name] if isinstance(flops, dict) else flops
-        row[name] = work / min((ms for ms in times[name] if not math.isnan(ms)), default=math.nan) / 1e9
+        timed = [ms for ms in times[name] if not math.isnan(ms)]
+        row[name] = work / statistics.median(timed) / 1e9 if timed else math.nan
 
 
 def _rounds_text(rows) -> str:
-    """How a table's figures were timed, from its rows: the best of how many rounds, in what order (rows timed
-    before the order also moved one place every pair of rounds say nothing of it, and were reversed only)."""
+    """How a table's figures were timed, from its rows: the median (or, in rows saved before the median, the best)
+    of how many rounds, in what order (rows timed before the order also moved one place every pair of rounds say
+    nothing of it, and were reversed only)."""
     rounds = " or ".join(map(str, sorted({r.get("rounds", 2) for r in rows})))   # saved before --rounds: two
     moved = all(r.get("rotated") for r in rows)
-    return (f"the best of {rounds} rounds, every other round in reverse order"
+    statistic = "median" if all(r.get("statistic") == "median" for r in rows) else "best"
+    return (f"the {statistic} of {rounds} rounds, every other round in reverse order"
             + (", each pair of rounds starting one place later" if moved else ""))
 
 
@@ -1180,7 +1187,7 @@ HOPPER_CHOICES = {  # --consumers, --overlap, --tma-store: hopper_attention's ke
 
 def prefill_choice(choice: str, rows=None, done=lambda: None, rounds=2) -> list[dict]:
     """hopper_attention with each of HOPPER_CHOICES[choice]'s two settings (the rest of its schedule its own),
-    with its own choice, and SDPA cuDNN and flash: TFLOP/s, the best of `rounds` rounds; and whether the second
+    with its own choice, and SDPA cuDNN and flash: TFLOP/s, the median of `rounds` rounds; and whether the second
     setting gave the first's o bit for bit."""
     from flashcourse.engine.hopper import hopper_attention
 
@@ -1360,7 +1367,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tma-store", action="store_true", help="hopper_attention with o stored by its threads and "
                         "by TMA, beside SDPA, in one process (--out, --json)")
     parser.add_argument("--rounds", type=int, default=2, help="with --consumers, --overlap, --tma-store or "
-                        "--fp8-schedule: the best of this many rounds (default 2)")
+                        "--fp8-schedule: the median of this many rounds (default 2)")
     parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "

@@ -7,7 +7,7 @@ Every number from one process, bf16, Hq = 32, T = S, B x T = 32k. Per row: the b
 course's kernels given the same o and lse from hopper_attention_lse; SDPA through torch.autograd.grad of a kept
 output), forward and backward through autograd, and the largest error of the Gluon gradients against FP32
 autograd of the naive attention. FLOPs as in 06's benchmark: forward 4 B Hq T S D (half of it causal), the
-backward 2.5 times that. Times by triton.testing.do_bench (L2 flushed before each run), each the best of three
+backward 2.5 times that. Times by triton.testing.do_bench (L2 flushed before each run), each the median of three
 rounds over every implementation in turn, every other round in reverse order, each pair of rounds starting
 one place later.
 """
@@ -19,13 +19,13 @@ import functools
 import torch
 
 from flashcourse.bench import environment
-from flashcourse.bench.fast import _sdpa, _time_row   # SDPA held to one backend; the best of rounds in turn
+from flashcourse.bench.fast import _sdpa, _time_row   # SDPA held to one backend; rounds in turn
 from flashcourse.bench.gradients import gradient_error
 from flashcourse.bench.reports import grouped_bars, report_main, report_opening, report_parser, save_json
 
 TOKENS = 32 * 1024          # B * T held fixed
 Q_HEADS = 32
-ROUNDS = 3                  # each time the best of three rounds: the GPU's speed drifts from one second to the next
+ROUNDS = 3                  # each time the median of three rounds: the GPU's speed drifts from one second to the next
 ROWS = [  # (causal, D, T, Hkv): 06's benchmark rows that the backward's goal names
     (True, 128, 1024, 32), (True, 128, 4096, 32), (True, 128, 8192, 32), (True, 128, 16384, 32),
     (False, 128, 8192, 32), (True, 64, 8192, 32), (True, 128, 8192, 8)]
