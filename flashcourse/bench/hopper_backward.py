@@ -8,8 +8,8 @@ course's kernels given the same o and lse from hopper_attention_lse; SDPA throug
 output), forward and backward through autograd, and the largest error of the Gluon gradients against FP32
 autograd of the naive attention. FLOPs as in 06's benchmark: forward 4 B Hq T S D (half of it causal), the
 backward 2.5 times that. Times by triton.testing.do_bench (L2 flushed before each run), each the median of three
-rounds over every implementation in turn, every other round in reverse order, each pair of rounds starting
-one place later.
+rounds (in runs saved before 2026-12-07, the best of three) over every implementation in turn, every other
+round in reverse order, each pair of rounds starting one place later.
 """
 
 from __future__ import annotations
