@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import re
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -67,6 +68,7 @@ FORWARD_NCU = "benchmarks/results/2026-12-06-h100-forward-ncu.json"     # 08: Ns
 TMA_STORE = "benchmarks/results/2026-12-06-h100-forward-tma-store.json"  # 08: o written by TMA, a scratch copy
 TMA_STORE_GRID = "benchmarks/results/2026-12-06-h100-hopper-tma-store.json"  # 08: the same in hopper_attention
 MASK_SPLIT = "benchmarks/results/2026-12-06-h100-mask-split.json"  # 08: tiles without mask code, loops of their own
+SAME_KERNEL = "benchmarks/results/2026-12-07-h200-same-kernel-rounds.json"  # 08: one kernel in three columns, rounds
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -426,6 +428,28 @@ def _pipes(data, name: str = "hopper_attention", **shape) -> tuple[float, float]
     return kernel["tensor_pipe_pct"], kernel["xu_pipe_pct"]
 
 
+SAME_KERNEL_COLUMNS = ("own", "forced", "own again")   # hopper_attention three times, one kernel
+
+
+def _same_kernel(data, statistic, causal, t) -> dict[str, float]:
+    """Each column's TFLOP/s over its rounds, taken by `statistic` (max: the best round; statistics.median), in
+    the same-kernel run's row (causal, t)."""
+    row = next(r for r in data["same_kernel_rounds"] if r["causal"] == causal and r["t"] == t)
+    return {name: statistic(rounds) for name, rounds in row["tflops"].items()}
+
+
+def _same_kernel_spread(data, statistic, causal=False, t=4096) -> float:
+    """How far apart, in %, the same kernel's three columns lay by `statistic`."""
+    values = [_same_kernel(data, statistic, causal, t)[name] for name in SAME_KERNEL_COLUMNS]
+    return (max(values) / min(values) - 1) * 100
+
+
+def _same_kernel_of_cudnn(data, statistic, causal=True, t=1024) -> float:
+    """hopper_attention's own column over cuDNN's, both taken by `statistic`."""
+    values = _same_kernel(data, statistic, causal, t)
+    return values["own"] / values["cuDNN"]
+
+
 def _xu_over_tensor(data, **kernel) -> float:
     """How long the exponentials' pipe was busy over how long the tensor pipe was, in one kernel (_pipes' fields)."""
     tensor, xu = _pipes(data, **kernel)
@@ -609,6 +633,10 @@ FIGURES: dict[str, Figure] = {
     "hopper.bars.xu_over_tensor_d128": Figure(BARRIERS, lambda d: _xu_over_tensor(d), 2),
     "hopper.bars.pipes_sum_d64": Figure(BARRIERS, lambda d: sum(_pipes(d, causal=False, d=64)), 1),
     "hopper.bars.cudnn_pipes_sum_d64": Figure(BARRIERS, lambda d: sum(_pipes(d, "cuDNN", causal=False, d=64)), 1),
+    "hopper.rounds.best_spread_4k": Figure(SAME_KERNEL, lambda d: _same_kernel_spread(d, max), 1),
+    "hopper.rounds.median_spread_4k": Figure(SAME_KERNEL, lambda d: _same_kernel_spread(d, statistics.median), 1),
+    "hopper.rounds.best_of_cudnn_1k": Figure(SAME_KERNEL, lambda d: _same_kernel_of_cudnn(d, max), 3),
+    "hopper.rounds.median_of_cudnn_1k": Figure(SAME_KERNEL, lambda d: _same_kernel_of_cudnn(d, statistics.median), 3),
     "hopper.tma_store.causal_1k": Figure(TMA_STORE, lambda d: _best_ratios(
         d["rows"], "o by TMA", "main", causal=True, t=1024)[0], 2),
     "hopper.tma_store.causal_1k_of_cudnn": Figure(TMA_STORE, lambda d: _best_ratios(
