@@ -440,7 +440,8 @@ def _same_kernel(data, statistic, causal, t) -> dict[str, float]:
 
 def _same_kernel_spread(data, statistic, causal=False, t=4096) -> float:
     """How far apart, in %, the same kernel's three columns lay by `statistic`."""
-    values = [_same_kernel(data, statistic, causal, t)[name] for name in SAME_KERNEL_COLUMNS]
+    columns = _same_kernel(data, statistic, causal, t)
+    values = [columns[name] for name in SAME_KERNEL_COLUMNS]
     return (max(values) / min(values) - 1) * 100
 
 
@@ -459,8 +460,6 @@ def _xu_over_tensor(data, **kernel) -> float:
 def _without_bar_syncs(data) -> list[float]:
     """Each forward row's median TFLOP/s with Triton's warpgroup bar.syncs dropped (both copies) over the kernel's
     as it is, the median of each column's rounds."""
-    import statistics
-
     return [statistics.median(r["tflops"][copy]) / statistics.median(r["tflops"]["main"])
             for r in data["forward"] for copy in ("strict", "loose")]
 
