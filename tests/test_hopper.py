@@ -315,8 +315,8 @@ def test_hopper_attention_falls_back_to_fast_attention():
 
 
 def test_hopper_schedule_follows_the_measured_rule():
-    """Persistent causal up to T = 4k and always without a mask; the ping-pong without a mask up to T = 2k; three
-    consumers causal at D = 64 from T = 8k."""
+    """Persistent causal up to T = 4k and always without a mask; the ping-pong without a mask up to T = 2k at
+    D = 128 only; three consumers causal at D = 64 from T = 8k."""
     from flashcourse.engine.hopper import hopper_consumers, hopper_overlap, hopper_schedule
 
     assert [hopper_consumers(t, 64, True) for t in (1024, 2048, 4096, 8192, 16384)] == [2, 2, 2, 3, 3]
@@ -324,11 +324,13 @@ def test_hopper_schedule_follows_the_measured_rule():
     assert not hopper_overlap(1024, 128, False)
     assert hopper_consumers(16384, 128, True) == hopper_consumers(16384, 64, False) == 2
 
-    assert hopper_schedule(1024, True) == (True, False)
-    assert hopper_schedule(4096, True) == (True, False)
-    assert hopper_schedule(16384, True) == (False, False)
-    assert hopper_schedule(1024, False) == (True, True)
-    assert hopper_schedule(16384, False) == (True, False)
+    assert hopper_schedule(1024, 128, True) == (True, False)
+    assert hopper_schedule(4096, 128, True) == (True, False)
+    assert hopper_schedule(16384, 128, True) == (False, False)
+    assert hopper_schedule(1024, 128, False) == hopper_schedule(2048, 128, False) == (True, True)
+    assert hopper_schedule(4096, 128, False) == (True, False)
+    assert hopper_schedule(1024, 64, False) == hopper_schedule(2048, 64, False) == (True, False)
+    assert hopper_schedule(1024, 64, True) == (True, False)
 
 
 def test_hopper_report():

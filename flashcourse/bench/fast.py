@@ -577,7 +577,7 @@ def fp8_schedule(grid=FP8_SCHEDULE, d=128, heads=32, rows=None, done=lambda: Non
         prepared = prepare_fp8(q, k, v)
         row = dict(dtype="bf16", causal=causal, d=d, q_heads=heads, kv_heads=heads, t=t, batch=batch)
         fp8 = {name: functools.partial(hopper_fp8_forward, prepared, causal=causal,
-                                       **(dict(persistent=hopper_schedule(t, causal)[0], overlap=False,
+                                       **(dict(persistent=hopper_schedule(t, d, causal)[0], overlap=False,
                                                tma_store=False) if kw == "step 5" else kw))
                for name, kw in FP8_SCHEDULE_STEPS.items()}
         impls = {"SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, False)(q, k, v),

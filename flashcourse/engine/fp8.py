@@ -346,7 +346,7 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     Hkv, S = k8.shape[1], k8.shape[2]
     query_offset = S - T if query_offset is None else int(query_offset)
     persistent = True if persistent is None else persistent
-    pingpong = step5.hopper_schedule(T, causal)[1] if pingpong is None else pingpong
+    pingpong = step5.hopper_schedule(T, D, causal)[1] if pingpong is None else pingpong
     overlap = persistent if overlap is None else overlap
 
     def descriptor(x, block):                                            # x: 2-D, e4m3, rows 16-byte aligned

@@ -552,12 +552,13 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             ], [4, 4, 1], [160, 160, 24])
 
 
-def hopper_schedule(t, causal):
+def hopper_schedule(t, d, causal):
     """(persistent, pingpong) for hopper_attention, from two runs on the H200 (python -m flashcourse.bench.fast
     --hopper): persistent programs up to T = 4k under a causal mask and always without one; the ping-pong
-    without a mask up to T = 2k. At causal T = 4k and at T = 1k without a mask the runs disagreed, within
-    their noise."""
-    return (not causal or t <= 4096), (not causal and t <= 2048)
+    without a mask up to T = 2k at D = 128. At causal T = 4k and at T = 1k without a mask the runs disagreed,
+    within their noise. At D = 64 without a mask the ping-pong was the slower at T = 1k and 2k in every run
+    that timed it both ways (benchmarks/results/2026-12-07-h100-forward-d64-pingpong.md)."""
+    return (not causal or t <= 4096), (not causal and t <= 2048 and d == 128)
 
 
 def hopper_consumers(t, d, causal):
@@ -653,7 +654,7 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     query_offset = S - T if query_offset is None else query_offset
-    default_persistent, default_pingpong = hopper_schedule(T, causal)
+    default_persistent, default_pingpong = hopper_schedule(T, D, causal)
     persistent = default_persistent if persistent is None else persistent
     pingpong = default_pingpong if pingpong is None else pingpong
     consumers = hopper_consumers(T, D, causal) if consumers is None else consumers
