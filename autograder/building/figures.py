@@ -69,6 +69,8 @@ TMA_STORE = "benchmarks/results/2026-12-06-h100-forward-tma-store.json"  # 08: o
 TMA_STORE_GRID = "benchmarks/results/2026-12-06-h100-hopper-tma-store.json"  # 08: the same in hopper_attention
 MASK_SPLIT = "benchmarks/results/2026-12-06-h100-mask-split.json"  # 08: tiles without mask code, loops of their own
 SAME_KERNEL = "benchmarks/results/2026-12-07-h200-same-kernel-rounds.json"  # 08: one kernel in three columns, rounds
+FMA_EXP = "benchmarks/results/2026-12-07-h100-forward-exp2-on-fma.json"  # 08: exponentials on the FMA pipe
+PINGPONG_D64 = "benchmarks/results/2026-12-07-h100-forward-d64-pingpong.json"  # 08: the ping-pong at D = 64
 TRIALS = "flashcourse/bench/measured/fast_trials.json"                # the lse forward's configs one by one, the decode sweep
 SOLUTION_03 = "solutions/03_online_attention/03_online_attention.ipynb"
 MEMORY_CELL_03 = "b539a25b"                                    # 03's cell that measures the peaks
@@ -439,6 +441,17 @@ def _same_kernel(data, statistic, causal, t) -> dict[str, float]:
     return {name: statistic(rounds) for name, rounds in row["tflops"].items()}
 
 
+def _fma_exp_at_d64(data, column: str) -> list[float]:
+    """FMA_EXP: a column's median over the kernel's own (every exponential on MUFU), each bf16 row at D = 64."""
+    return [r["median / emu0"][column] for r in data["rows"] if r["kind"] == "bf16" and r["d"] == 64]
+
+
+def _pingpong_off_at_d64(data, t: int) -> float:
+    """PINGPONG_D64: without the ping-pong over with it, by medians, bf16 D = 64 without a mask at T = t."""
+    (row,) = [r for r in data["rows"] if r["inputs"] == "bf16" and r["d"] == 64 and r["t"] == t]
+    return row["no ping-pong / ping-pong"]
+
+
 def _same_kernel_spread(data, statistic, causal=False, t=4096) -> float:
     """How far apart, in %, the same kernel's three columns lay by `statistic`."""
     columns = _same_kernel(data, statistic, causal, t)
@@ -637,6 +650,12 @@ FIGURES: dict[str, Figure] = {
     "hopper.rounds.median_spread_4k": Figure(SAME_KERNEL, lambda d: _same_kernel_spread(d, statistics.median), 1),
     "hopper.rounds.best_of_cudnn_1k": Figure(SAME_KERNEL, lambda d: _same_kernel_of_cudnn(d, max), 3),
     "hopper.rounds.median_of_cudnn_1k": Figure(SAME_KERNEL, lambda d: _same_kernel_of_cudnn(d, statistics.median), 3),
+    "hopper.d64_fma_exp.half_min": Figure(FMA_EXP, lambda d: min(_fma_exp_at_d64(d, "emu2")), 2),
+    "hopper.d64_fma_exp.half_max": Figure(FMA_EXP, lambda d: max(_fma_exp_at_d64(d, "emu2")), 2),
+    "hopper.d64_fma_exp.quarter_min": Figure(FMA_EXP, lambda d: min(_fma_exp_at_d64(d, "emu4")), 2),
+    "hopper.d64_fma_exp.quarter_max": Figure(FMA_EXP, lambda d: max(_fma_exp_at_d64(d, "emu4")), 2),
+    "hopper.pingpong_d64.off_over_on_1k": Figure(PINGPONG_D64, lambda d: _pingpong_off_at_d64(d, 1024), 3),
+    "hopper.pingpong_d64.off_over_on_2k": Figure(PINGPONG_D64, lambda d: _pingpong_off_at_d64(d, 2048), 3),
     "hopper.tma_store.causal_1k": Figure(TMA_STORE, lambda d: _best_ratios(
         d["rows"], "o by TMA", "main", causal=True, t=1024)[0], 2),
     "hopper.tma_store.causal_1k_of_cudnn": Figure(TMA_STORE, lambda d: _best_ratios(
