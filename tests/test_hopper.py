@@ -371,6 +371,33 @@ def test_time_row_takes_turns_and_keeps_the_median(monkeypatch):
     assert row["a"] == 0.5 and row["b"] == 0.25 and math.isnan(row["c"])   # a's best round alone would be 1.0
 
 
+def test_hopper_grid_takes_its_rounds(monkeypatch, tmp_path):
+    """--hopper --rounds 3 times every implementation of every row three times and keeps the median: the rounds
+    reach prefill_hopper's timing, and the saved row says how it was timed."""
+    import json
+
+    from flashcourse.bench import fast
+    from flashcourse.engine import fast_attention, hopper
+
+    calls = []
+    monkeypatch.setattr(fast.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fast, "environment", lambda: "a test")
+    monkeypatch.setattr(fast, "_prefill_cases", lambda grid: iter([(
+        dict(dtype="bf16", causal=True, d=64, q_heads=2, kv_heads=2, t=128, batch=1), None, None, None, 1e9,
+        {"SDPA cuDNN": lambda: calls.append("cuDNN"), "SDPA flash": lambda: calls.append("flash")})]))
+    monkeypatch.setattr(hopper, "hopper_attention", lambda *args, **kwargs: calls.append("hopper"))
+    monkeypatch.setattr(fast_attention, "fast_attention", lambda *args, **kwargs: calls.append("fast"))
+    monkeypatch.setattr(fast, "max_error", lambda *args: 0.0)
+    monkeypatch.setattr(fast, "_ms", lambda fn: fn() or 2.0)
+    assert fast.main(["--hopper", "--rounds", "3", "--json", str(tmp_path / "grid.json")]) == 0
+    (row,) = json.loads((tmp_path / "grid.json").read_text())["prefill"]
+    assert row["rounds"] == 3 and row["statistic"] == "median"
+    # eight implementations a round (two course kernels, two SDPA backends, four schedules), each timed three
+    # times, then each kernel once more for its error
+    assert calls.count("cuDNN") == calls.count("flash") == calls.count("fast") - 1 == 3
+    assert calls.count("hopper") == 5 * 3 + 1 and row["hopper_attention"] == 1e9 / 2.0 / 1e9
+
+
 @pytest.mark.parametrize("choice", ["consumers", "overlap", "tma_store"])
 def test_choice_report(choice):
     """--consumers', --overlap's and --tma-store's table: one row per shape, the second setting over the first and

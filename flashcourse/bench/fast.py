@@ -1118,9 +1118,10 @@ HOPPER_SCHEDULES = {  # column -> (persistent, pingpong) of hopper_attention
 HOPPER_NAMES = ["fast_attention", "hopper_attention", "SDPA cuDNN", "SDPA flash"]
 
 
-def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
+def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None, rounds=1) -> list[dict]:
     """bench_fast's prefill grid: hopper_attention with its own schedule and with each of HOPPER_SCHEDULES,
-    fast_attention, SDPA cuDNN and flash (TFLOP/s), and both course kernels' errors against FP32."""
+    fast_attention, SDPA cuDNN and flash (TFLOP/s, the median of `rounds` rounds), and both course kernels' errors
+    against FP32."""
     from flashcourse.engine.fast_attention import fast_attention
     from flashcourse.engine.hopper import hopper_attention
 
@@ -1133,7 +1134,7 @@ def prefill_hopper(grid=PREFILL, rows=None, done=lambda: None) -> list[dict]:
         for name, (persistent, pingpong) in HOPPER_SCHEDULES.items():
             impls[name] = functools.partial(hopper_attention, q, k, v, causal=causal, persistent=persistent,
                                             pingpong=pingpong, fallback=False)
-        _time_row(row, impls, flops)
+        _time_row(row, impls, flops, rounds=rounds)
         row["fast error"] = max_error(fast_attention(q, k, v, causal=causal), q, k, v, causal)
         row["hopper error"] = max_error(hopper_attention(q, k, v, causal=causal, fallback=False), q, k, v, causal)
         rows.append(row)
@@ -1366,8 +1367,8 @@ def main(argv=None) -> int:
                         "overlap across items, beside SDPA, in one process (--out, --json)")
     parser.add_argument("--tma-store", action="store_true", help="hopper_attention with o stored by its threads and "
                         "by TMA, beside SDPA, in one process (--out, --json)")
-    parser.add_argument("--rounds", type=int, default=2, help="with --consumers, --overlap, --tma-store or "
-                        "--fp8-schedule: the median of this many rounds (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --hopper, --consumers, --overlap, --tma-store "
+                        "or --fp8-schedule: the median of this many rounds (default 2)")
     parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
@@ -1399,7 +1400,7 @@ def main(argv=None) -> int:
     if args.last_gap_2:
         return last_gap_2_main(args)
     if args.hopper:
-        return _measure_main(args, "prefill", prefill_hopper, hopper_report)
+        return _measure_main(args, "prefill", functools.partial(prefill_hopper, rounds=args.rounds), hopper_report)
     for choice in HOPPER_CHOICES:
         if getattr(args, choice):
             return _measure_main(args, choice, functools.partial(prefill_choice, choice, rounds=args.rounds),
