@@ -398,6 +398,39 @@ def test_hopper_grid_takes_its_rounds(monkeypatch, tmp_path):
     assert calls.count("hopper") == 5 * 3 + 1 and row["hopper_attention"] == 1e9 / 2.0 / 1e9
 
 
+def test_fp8_prepare_takes_its_rounds(monkeypatch, tmp_path):
+    """--fp8-prepare --rounds 3 times fp8_attention end to end and its neighbours three times a row and keeps the
+    median; the report says so (its rows saved before rounds existed say nothing of them)."""
+    import json
+
+    from flashcourse.bench import fast
+    from flashcourse.engine import fp8, hopper
+
+    calls = []
+
+    def fake(name):
+        return lambda *args, **kwargs: calls.append(name)
+    monkeypatch.setattr(fast.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fast, "environment", lambda: "a test")
+    monkeypatch.setattr(fast, "_inputs", lambda *args: (None, None, None))
+    monkeypatch.setattr(fast, "_sdpa", lambda *args: fake("cuDNN"))
+    for name in ("prepare_fp8_torch", "fp8_inputs_equal", "max_error"):
+        monkeypatch.setattr(fast, name, lambda *args: 0.0)
+    for name in ("fp8_attention", "fp8_forward", "hopper_fp8_forward", "prepare_fp8", "random_rotation"):
+        monkeypatch.setattr(fp8, name, fake(name))
+    monkeypatch.setattr(hopper, "hopper_attention", fake("hopper_attention"))
+    monkeypatch.setattr(fast, "_ms", lambda fn: fn() or 2.0)
+    out = tmp_path / "fp8.md"
+    assert fast.main(["--fp8-prepare", "--rounds", "3", "--json", str(tmp_path / "fp8.json"), "--out", str(out)]) == 0
+    rows = json.loads((tmp_path / "fp8.json").read_text())["fp8_prepare"]
+    assert len(rows) == len(fast.FP8_PREPARE) and all(r["rounds"] == 3 and r["statistic"] == "median" for r in rows)
+    assert calls.count("cuDNN") == 3 * len(rows)
+    assert calls.count("fp8_attention") == (3 + 1) * len(rows)     # three rounds, then once for its error
+    assert "TFLOP/s: the median of 3 rounds" in out.read_text()
+    old = {"environment": "a test", "fp8_prepare": [{k: v for k, v in rows[0].items() if k != "rounds"}]}
+    assert "rounds" not in fast.fp8_prepare_report(old)
+
+
 @pytest.mark.parametrize("choice", ["consumers", "overlap", "tma_store"])
 def test_choice_report(choice):
     """--consumers', --overlap's and --tma-store's table: one row per shape, the second setting over the first and

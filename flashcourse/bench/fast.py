@@ -486,9 +486,10 @@ def fp8_inputs_equal(a, b) -> bool:
         and all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("q_scale", "k_scale", "v_scale"))
 
 
-def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None) -> list[dict]:
+def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None, rounds=1) -> list[dict]:
     """prepare_fp8's time (ms) in one Triton pass and in PyTorch, and fp8_attention end to end on bf16 inputs beside
-    cuDNN, hopper_attention and the FP8 kernel alone (TFLOP/s), one process; B x T = TOKENS."""
+    cuDNN, hopper_attention and the FP8 kernel alone (TFLOP/s, the median of `rounds` rounds), one process;
+    B x T = TOKENS."""
     from torch.nn.attention import SDPBackend
 
     from flashcourse.engine.fp8 import fp8_attention, fp8_forward, hopper_fp8_forward, prepare_fp8, random_rotation
@@ -512,8 +513,7 @@ def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None)
                  "fp8_attention, PyTorch quantize": lambda: fp8_forward(prepare_fp8_torch(q, k, v), causal=causal,
                                                                         out_dtype=torch.bfloat16),
                  "fp8_attention": lambda: fp8_attention(q, k, v, causal=causal)}
-        for name, fn in impls.items():
-            row[name] = flops / _or_nan(_ms, fn) / 1e9
+        _time_row(row, impls, flops, rounds=rounds)
         row["fp8_attention error"] = max_error(fp8_attention(q, k, v, causal=causal), q, k, v, causal)
         row["FP8 Gluon kernel error"] = max_error(hopper_fp8_forward(prepared, causal=causal), q, k, v, causal)
         rows.append(row)
@@ -536,7 +536,9 @@ def fp8_prepare_report(result: dict) -> str:
         "PyTorch path (quantize_blocks three times and a transposed, padded copy of V); identical: the same bytes "
         "and scales, without and with a rotation of Q and K. 'FP8 kernel': fp8_forward (Triton) on inputs already prepared; 'FP8 Gluon "
         "kernel': hopper_fp8_forward on the same; 'fp8_attention': quantize_fp8 and the kernel, from bf16 (the Gluon "
-        "kernel where it applies). Error: max |o - reference| of fp8_attention over batch 0, heads 0-1, against FP32.")
+        "kernel where it applies). Error: max |o - reference| of fp8_attention over batch 0, heads 0-1, against FP32."
+        + (f" TFLOP/s: {_rounds_text(result['fp8_prepare'])}." if all("rounds" in r for r in result["fp8_prepare"])
+           else ""))
     lines += ["| causal | T | B | prepare, PyTorch (ms) | prepare, Triton (ms) | speed-up | identical | "
               + " | ".join(FP8_PREPARE_NAMES) + " | fp8_attention / hopper | fp8_attention / cuDNN | FP8 error |",
               "|---" * (7 + len(FP8_PREPARE_NAMES) + 3) + "|"]
@@ -1367,8 +1369,8 @@ def main(argv=None) -> int:
                         "overlap across items, beside SDPA, in one process (--out, --json)")
     parser.add_argument("--tma-store", action="store_true", help="hopper_attention with o stored by its threads and "
                         "by TMA, beside SDPA, in one process (--out, --json)")
-    parser.add_argument("--rounds", type=int, default=2, help="with --hopper, --consumers, --overlap, --tma-store "
-                        "or --fp8-schedule: the median of this many rounds (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --hopper, --consumers, --overlap, --tma-store, "
+                        "--fp8-prepare or --fp8-schedule: the median of this many rounds (default 2)")
     parser.add_argument("--hopper-lse", action="store_true", help="the prefill grid's forwards that return lse: 05's "
                         "and 08's (Gluon), beside hopper_attention and SDPA, in one process (--json)")
     parser.add_argument("--decode-fused", action="store_true", help="decode in one launch against two, cuDNN and a "
@@ -1411,7 +1413,8 @@ def main(argv=None) -> int:
     if args.decode_fused:
         return _measure_main(args, "decode_fused", decode_fused, decode_fused_report)
     if args.fp8_prepare:
-        return _measure_main(args, "fp8_prepare", fp8_prepare, fp8_prepare_report)
+        return _measure_main(args, "fp8_prepare", functools.partial(fp8_prepare, rounds=args.rounds),
+                             fp8_prepare_report)
     if args.fp8_schedule:
         return _measure_main(args, "fp8_schedule", functools.partial(fp8_schedule, rounds=args.rounds),
                              fp8_schedule_report)
