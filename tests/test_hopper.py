@@ -373,7 +373,7 @@ def test_time_row_takes_turns_and_keeps_the_median(monkeypatch):
 
 def test_hopper_grid_takes_its_rounds(monkeypatch, tmp_path):
     """--hopper --rounds 3 times every implementation of every row three times and keeps the median: the rounds
-    reach prefill_hopper's timing, and the saved row says how it was timed."""
+    reach prefill_hopper's timing, and the saved row and the report say how it was timed."""
     import json
 
     from flashcourse.bench import fast
@@ -389,9 +389,13 @@ def test_hopper_grid_takes_its_rounds(monkeypatch, tmp_path):
     monkeypatch.setattr(fast_attention, "fast_attention", lambda *args, **kwargs: calls.append("fast"))
     monkeypatch.setattr(fast, "max_error", lambda *args: 0.0)
     monkeypatch.setattr(fast, "_ms", lambda fn: fn() or 2.0)
-    assert fast.main(["--hopper", "--rounds", "3", "--json", str(tmp_path / "grid.json")]) == 0
+    out = tmp_path / "grid.md"
+    assert fast.main(["--hopper", "--rounds", "3", "--json", str(tmp_path / "grid.json"), "--out", str(out)]) == 0
     (row,) = json.loads((tmp_path / "grid.json").read_text())["prefill"]
     assert row["rounds"] == 3 and row["statistic"] == "median"
+    assert "TFLOP/s: the median of 3 rounds" in out.read_text()
+    old = {"environment": "a test", "prefill": [{k: v for k, v in row.items() if k != "rounds"}]}
+    assert "rounds" not in fast.hopper_report(old)                 # grids saved before --hopper took rounds
     # eight implementations a round (two course kernels, two SDPA backends, four schedules), each timed three
     # times, then each kernel once more for its error
     assert calls.count("cuDNN") == calls.count("flash") == calls.count("fast") - 1 == 3

@@ -537,8 +537,7 @@ def fp8_prepare_report(result: dict) -> str:
         "and scales, without and with a rotation of Q and K. 'FP8 kernel': fp8_forward (Triton) on inputs already prepared; 'FP8 Gluon "
         "kernel': hopper_fp8_forward on the same; 'fp8_attention': quantize_fp8 and the kernel, from bf16 (the Gluon "
         "kernel where it applies). Error: max |o - reference| of fp8_attention over batch 0, heads 0-1, against FP32."
-        + (f" TFLOP/s: {_rounds_text(result['fp8_prepare'])}." if all("rounds" in r for r in result["fp8_prepare"])
-           else ""))
+        + _rounds_sentence(result["fp8_prepare"]))
     lines += ["| causal | T | B | prepare, PyTorch (ms) | prepare, Triton (ms) | speed-up | identical | "
               + " | ".join(FP8_PREPARE_NAMES) + " | fp8_attention / hopper | fp8_attention / cuDNN | FP8 error |",
               "|---" * (7 + len(FP8_PREPARE_NAMES) + 3) + "|"]
@@ -953,6 +952,12 @@ def _rounds_text(rows) -> str:
             + (", each pair of rounds starting one place later" if moved else ""))
 
 
+def _rounds_sentence(rows) -> str:
+    """' TFLOP/s: ' and _rounds_text, for a table whose rows record their rounds; nothing for rows saved before
+    their benchmark took rounds (each implementation timed once)."""
+    return f" TFLOP/s: {_rounds_text(rows)}." if all("rounds" in r for r in rows) else ""
+
+
 def _print_row(row, names, suffix="") -> None:
     print(f"  {row['dtype']} {'causal' if row['causal'] else 'full  '} D={row['d']} H={row['q_heads']}/"
           f"{row['kv_heads']} T={row['t']:5d} B={row['batch']:2d}: " + ", ".join(f"{n} {row[n]:.0f}" for n in names)
@@ -1154,7 +1159,7 @@ def hopper_report(result: dict) -> str:
         f"TFLOP/s = 2 B Hq T^2 D / time causal, 4 B Hq T^2 D not causal; T = S, B x T = {TOKENS}. Errors: max "
         "|o - reference| over batch 0, heads 0-1, against FP32. hopper_attention's own schedule is "
         "hopper_schedule's choice; the last four columns force each (persistent or one program per work item, "
-        "with or without the ping-pong).")
+        "with or without the ping-pong)." + _rounds_sentence(result["prefill"]))
     lines += ["| dtype | causal | D | Hq/Hkv | T | B | " + " | ".join(HOPPER_NAMES) +
               " | hopper / cuDNN | best ours / cuDNN | hopper / fast | fast error | hopper error | " +
               " | ".join(schedules) + " |", "|---" * (6 + len(HOPPER_NAMES) + 5 + len(schedules)) + "|"]
