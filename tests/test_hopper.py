@@ -418,7 +418,7 @@ def test_fp8_prepare_takes_its_rounds(monkeypatch, tmp_path):
     monkeypatch.setattr(fast, "environment", lambda: "a test")
     monkeypatch.setattr(fast, "_inputs", lambda *args: (None, None, None))
     monkeypatch.setattr(fast, "_sdpa", lambda *args: fake("cuDNN"))
-    for name in ("prepare_fp8_torch", "fp8_inputs_equal", "max_error"):
+    for name in ("prepare_fp8_torch", "fp8_inputs_equal", "max_error", "rms_error"):
         monkeypatch.setattr(fast, name, lambda *args: 0.0)
     for name in ("fp8_attention", "fp8_forward", "hopper_fp8_forward", "prepare_fp8", "random_rotation"):
         monkeypatch.setattr(fp8, name, fake(name))
@@ -429,10 +429,15 @@ def test_fp8_prepare_takes_its_rounds(monkeypatch, tmp_path):
     rows = json.loads((tmp_path / "fp8.json").read_text())["fp8_prepare"]
     assert len(rows) == len(fast.FP8_PREPARE) and all(r["rounds"] == 3 and r["statistic"] == "median" for r in rows)
     assert calls.count("cuDNN") == 3 * len(rows)
-    assert calls.count("fp8_attention") == (3 + 1) * len(rows)     # three rounds, then once for its error
-    assert "TFLOP/s: the median of 3 rounds" in out.read_text()
-    old = {"environment": "a test", "fp8_prepare": [{k: v for k, v in rows[0].items() if k != "rounds"}]}
-    assert "rounds" not in fast.fp8_prepare_report(old)
+    assert calls.count("fp8_attention") == (3 + 2) * len(rows)     # three rounds, then once for each error
+    # the Gluon kernel on Q quantized by prepare_fp8 and on Q left to its consumers: three rounds each, two errors
+    assert calls.count("hopper_fp8_forward") == (2 * 3 + 2) * len(rows)
+    report = out.read_text()
+    assert "TFLOP/s: the median of 3 rounds" in report and "| prepare K, V (ms) |" in report
+    old = {"environment": "a test", "fp8_prepare": [{k: v for k, v in rows[0].items()
+                                                     if k not in ("rounds", "prepare_kv_ms",
+                                                                  "FP8 Gluon kernel, Q in bf16")}]}
+    assert "rounds" not in fast.fp8_prepare_report(old) and "Q in bf16" not in fast.fp8_prepare_report(old)
 
 
 @pytest.mark.parametrize("choice", ["consumers", "overlap", "tma_store"])
@@ -583,9 +588,10 @@ def descriptor(x, block, dtype):
     return fk.GluonDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_store in json.loads(sys.argv[1]):
+for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_store, qq in json.loads(sys.argv[1]):
     torch_dtype, dtype = (torch.float8_e4m3fn, gl.float8e4nv) if fp8 else (torch.bfloat16, gl.bfloat16)
-    q_desc = descriptor(torch.empty(512, d, dtype=torch_dtype), [64, d], dtype)
+    q_desc = (descriptor(torch.empty(512, d, dtype=torch.bfloat16), [64, d], gl.bfloat16) if qq else
+              descriptor(torch.empty(512, d, dtype=torch_dtype), [64, d], dtype))
     k_desc = descriptor(torch.empty(256, d, dtype=torch_dtype), [fk.HOPPER_BLOCK_N, d], dtype)
     v_desc = descriptor(torch.empty(d, 256, dtype=torch_dtype), [d, fk.HOPPER_BLOCK_N], dtype) if fp8 else k_desc
     scales = torch.empty(2, 2)
@@ -596,6 +602,7 @@ for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_sto
         PERSISTENT=persistent, STORE_LSE=store_lse, FP8=fp8, P_SHIFT=8 if fp8 else 0, CONSUMERS=consumers,
         OVERLAP=overlap, TMA_STORE=tma_store,
         o_desc=descriptor(torch.empty(512, d, dtype=torch.bfloat16), [64, d], gl.bfloat16) if tma_store else None,
+        QQ=qq, q8_layout=gl.NVMMASharedLayout.get_default_for([64, d], gl.float8e4nv) if qq else None,
         num_warps=4, grid=(1,))
     ptx = compiled.asm["ptx"]
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
@@ -614,20 +621,27 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     Triton 3.9, fails here before it fails on a Hopper. Each binary holds wgmma (on e4m3 tiles where FP8, and only
     there), fits in shared memory and gives its consumers 232 registers, or 160 when there are three; with
     the overlap across items too, and o written by TMA copies (and only there), the overlap's two Q buffers and
-    o's buffers side by side being the most shared memory any schedule asks for. Without the overlap its SASS holds
-    a tile loop with no select (the tiles every row sees whole, without mask code); under the overlap, where one
-    loop decides each tile's mask, none."""
+    o's buffers side by side being the most shared memory any schedule asks for, and with FP8's Q quantized in the
+    kernel (QQ), whose bf16 Q buffers and e4m3 copies take more than the same schedule's e4m3 Q. In bf16 without
+    the overlap its SASS holds a tile loop with no select (the tiles every row sees whole, without mask code);
+    under the overlap, where one loop decides each tile's mask, none."""
     import json
     import os
     import subprocess
     import sys
 
-    configs = [  # D, causal, pingpong, persistent, STORE_LSE, FP8, consumers, overlap, TMA_STORE
-        (128, True, True, True, False, False, 2, False, False), (64, False, False, False, True, False, 2, False, True),
-        (128, False, True, False, True, False, 2, True, False), (128, True, False, True, False, True, 2, True, True),
-        (64, False, True, False, True, True, 2, True, False), (64, True, True, True, False, False, 3, False, True),
-        (64, True, False, False, True, False, 3, True, False), (128, True, True, True, True, False, 2, True, True),
-        (128, True, False, True, False, False, 2, True, True)]
+    configs = [  # D, causal, pingpong, persistent, STORE_LSE, FP8, consumers, overlap, TMA_STORE, QQ
+        (128, True, True, True, False, False, 2, False, False, False),
+        (64, False, False, False, True, False, 2, False, True, False),
+        (128, False, True, False, True, False, 2, True, False, False),
+        (128, True, False, True, False, True, 2, True, True, False),
+        (64, False, True, False, True, True, 2, True, False, False),
+        (64, True, True, True, False, False, 3, False, True, False),
+        (64, True, False, False, True, False, 3, True, False, False),
+        (128, True, True, True, True, False, 2, True, True, False),
+        (128, True, False, True, False, False, 2, True, True, False),
+        (128, True, False, True, False, True, 2, True, True, True),    # the fourth, Q quantized in the kernel
+        (64, False, True, False, False, True, 2, False, False, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(configs)], capture_output=True, text=True,
                           env=env, timeout=600)
@@ -644,8 +658,11 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         consumer_registers, other = (160, 232) if config[6] == 3 else (232, 160)
         assert consumer_registers in result["registers"] and other not in result["registers"], (config, result)
         # without the overlap, the tiles every row sees whole run in a loop of their own with no mask code; under
-        # it one loop decides each tile's mask at run time, and its selects stand in that loop
-        assert (result["loops_without_selects"] > 0) == (not config[7]), (config, result)
+        # it one loop decides each tile's mask at run time, and its selects stand in that loop (FP8's tile loops
+        # hold selects of their own, with or without the mask)
+        if config[7] or not config[5]:
+            assert (result["loops_without_selects"] > 0) == (not config[7]), (config, result)
+    assert results[9]["shared"] > results[3]["shared"], (results[9], results[3])
 
 
 SM90_COMPILE_BACKWARD = """
@@ -835,6 +852,24 @@ def test_gradient_error_sees_each_gradient():
         changed = [g.clone() for g in exact]
         changed[i][0, 0, 2, 3] += 0.25
         assert abs(gradient_error(changed, q, k, v, do, True) - 0.25) < 1e-5
+
+
+def test_prepare_fp8_can_leave_q_to_the_kernel():
+    """prepare_fp8(quantize_q=False) leaves Q as it came (q_scale None) and quantizes K and V as before; fp8_forward,
+    which reads Q in e4m3, refuses such inputs by name; and fp8_attention on bf16 inputs, where the Gluon kernel does
+    not run, quantizes Q itself: the o of fp8_forward on inputs prepared whole."""
+    from flashcourse.engine.fp8 import fp8_attention, fp8_forward, prepare_fp8
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen).to(RT.device, torch.bfloat16) for _ in range(3))
+    left, whole = prepare_fp8(q, k, v, quantize_q=False), prepare_fp8(q, k, v)
+    assert left.q_scale is None and torch.equal(left.q, q)
+    for name in ("k", "v_t"):
+        assert torch.equal(getattr(left, name).view(torch.uint8), getattr(whole, name).view(torch.uint8)), name
+    assert torch.equal(left.k_scale, whole.k_scale) and torch.equal(left.v_scale, whole.v_scale)
+    with pytest.raises(ValueError, match="quantize_q=True"):
+        fp8_forward(left)
+    assert torch.equal(fp8_attention(q, k, v), fp8_forward(whole, out_dtype=torch.bfloat16))
 
 
 def test_hopper_fp8_forward_refuses_what_it_cannot_run():

@@ -234,21 +234,24 @@ def test_hopper_attention_lse(persistent, batch, q_heads, kv_heads, t, s, d, cau
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
                     reason="hopper_fp8_forward needs a Hopper GPU and Triton's Gluon layer")
 @pytest.mark.parametrize("persistent, pingpong", [(False, False), (True, True)])
+@pytest.mark.parametrize("quantize_q", [True, False])
 @pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
     (2, 8, 2, 1024, 1024, 128, True),      # GQA 4
     (1, 8, 8, 1000, 1100, 64, True),       # queries at the end of a longer cache, neither a multiple of 128
     (2, 4, 1, 333, 777, 128, False),       # MQA, not causal
 ])
-def test_hopper_fp8_forward(persistent, pingpong, batch, q_heads, kv_heads, t, s, d, causal):
-    """Step 5's schedule with FP8=True, on the same prepared inputs as the Triton FP8 kernel: against FP32, an RMS
-    error within 1.25x the Triton kernel's (plus 1e-3) and below 3e-2, max error below 0.5; a scale or a unit of
-    acc applied to the wrong tile would be far outside."""
+def test_hopper_fp8_forward(persistent, pingpong, quantize_q, batch, q_heads, kv_heads, t, s, d, causal):
+    """Step 5's schedule with FP8=True, on the same prepared K and V as the Triton FP8 kernel, Q quantized by
+    prepare_fp8 or by the kernel's consumers (quantize_q=False): against FP32, an RMS error within 1.25x the
+    Triton kernel's (plus 1e-3) and below 3e-2, max error below 0.5; a scale or a unit of acc applied to the wrong
+    tile or row would be far outside."""
     from flashcourse.bench.fast import _inputs, max_error, rms_error
     from flashcourse.engine.fp8 import fp8_forward, hopper_fp8_forward, prepare_fp8
 
     q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16, seed=t + s)
     inputs = prepare_fp8(q, k, v)
-    got = hopper_fp8_forward(inputs, causal=causal, persistent=persistent, pingpong=pingpong)
+    got = hopper_fp8_forward(prepare_fp8(q, k, v, quantize_q=quantize_q), causal=causal, persistent=persistent,
+                             pingpong=pingpong)
     triton_kernel = fp8_forward(inputs, causal=causal, out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     rms, rms_triton = rms_error(got, q, k, v, causal), rms_error(triton_kernel, q, k, v, causal)
@@ -265,18 +268,19 @@ def test_hopper_fp8_forward(persistent, pingpong, batch, q_heads, kv_heads, t, s
 ])
 def test_hopper_fp8_forward_schedule_keeps_its_sums(batch, q_heads, kv_heads, t, s, d, causal):
     """hopper_fp8_forward's default (persistent, the overlap across items, o by TMA) gives the o of one item at a
-    time with o stored by threads bit for bit, in bf16 and fp16: the schedule moves work in time, not the sums.
-    o by TMA is refused where T is not a multiple of 64, and left out there by default."""
+    time with o stored by threads bit for bit, in bf16 and fp16, with Q quantized before or in the kernel (where
+    the overlap quantizes the next item's Q under this item's last product): the schedule moves work in time, not
+    the sums. o by TMA is refused where T is not a multiple of 64, and left out there by default."""
     from flashcourse.bench.fast import _inputs
     from flashcourse.engine.fp8 import hopper_fp8_forward, prepare_fp8
 
     q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16, seed=t + s)
-    inputs = prepare_fp8(q, k, v)
-    for out_dtype in (torch.bfloat16, torch.float16):
-        plain = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype, persistent=False, overlap=False,
-                                   tma_store=False)
-        got = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype)
-        assert got.dtype == out_dtype and torch.equal(got, plain)
+    for inputs in (prepare_fp8(q, k, v), prepare_fp8(q, k, v, quantize_q=False)):
+        for out_dtype in (torch.bfloat16, torch.float16):
+            plain = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype, persistent=False, overlap=False,
+                                       tma_store=False)
+            got = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype)
+            assert got.dtype == out_dtype and torch.equal(got, plain)
     short = prepare_fp8(q[:, :, :t - 32].contiguous(), k, v)   # T - 32: not a multiple of 64
     with pytest.raises(ValueError, match="multiple of 64"):
         hopper_fp8_forward(short, causal=causal, tma_store=True)

@@ -459,8 +459,8 @@ def fp8_errors(t: int = 4096, heads: int = 4, d: int = 128, causal: bool = True)
 # --- FP8 end to end: prepare_fp8 in one Triton pass against its PyTorch path -----------------------------------
 
 FP8_PREPARE = [(True, 4096), (True, 8192), (True, 16384), (False, 8192)]   # (causal, T = S): bf16, D = 128, H = 32
-FP8_PREPARE_NAMES = ["SDPA cuDNN", "hopper_attention", "FP8 kernel", "FP8 Gluon kernel", "fp8_attention, PyTorch quantize",
-                     "fp8_attention"]
+FP8_PREPARE_NAMES = ["SDPA cuDNN", "hopper_attention", "FP8 kernel", "FP8 Gluon kernel", "FP8 Gluon kernel, Q in bf16",
+                     "fp8_attention, PyTorch quantize", "fp8_attention"]
 
 
 def prepare_fp8_torch(q, k, v, rotation=None, block=None):
@@ -501,33 +501,41 @@ def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None,
         batch = max(1, TOKENS // t)
         q, k, v = _inputs(batch, heads, heads, t, t, d, torch.bfloat16)
         prepared = prepare_fp8(q, k, v)
+        prepared_kv = prepare_fp8(q, k, v, quantize_q=False)                # Q left for the kernel's consumers
         row = dict(causal=causal, t=t, batch=batch, d=d, heads=heads,
                    identical=fp8_inputs_equal(prepared, prepare_fp8_torch(q, k, v)),
                    identical_rotated=fp8_inputs_equal(prepare_fp8(q, k, v, rotation), prepare_fp8_torch(q, k, v, rotation)),
-                   prepare_torch_ms=_ms(lambda: prepare_fp8_torch(q, k, v)), prepare_ms=_ms(lambda: prepare_fp8(q, k, v)))
+                   prepare_torch_ms=_ms(lambda: prepare_fp8_torch(q, k, v)), prepare_ms=_ms(lambda: prepare_fp8(q, k, v)),
+                   prepare_kv_ms=_ms(lambda: prepare_fp8(q, k, v, quantize_q=False)))
         flops = (2.0 if causal else 4.0) * batch * heads * t * t * d
         impls = {"SDPA cuDNN": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, causal, False)(q, k, v),
                  "hopper_attention": lambda: hopper_attention(q, k, v, causal=causal, fallback=False),
                  "FP8 kernel": lambda: fp8_forward(prepared, causal=causal, out_dtype=torch.bfloat16),
                  "FP8 Gluon kernel": lambda: hopper_fp8_forward(prepared, causal=causal),
+                 "FP8 Gluon kernel, Q in bf16": lambda: hopper_fp8_forward(prepared_kv, causal=causal),
                  "fp8_attention, PyTorch quantize": lambda: fp8_forward(prepare_fp8_torch(q, k, v), causal=causal,
                                                                         out_dtype=torch.bfloat16),
                  "fp8_attention": lambda: fp8_attention(q, k, v, causal=causal)}
         _time_row(row, impls, flops, rounds=rounds)
         row["fp8_attention error"] = max_error(fp8_attention(q, k, v, causal=causal), q, k, v, causal)
         row["FP8 Gluon kernel error"] = max_error(hopper_fp8_forward(prepared, causal=causal), q, k, v, causal)
+        row["fp8_attention RMS error"] = rms_error(fp8_attention(q, k, v, causal=causal), q, k, v, causal)
+        row["FP8 Gluon kernel RMS error"] = rms_error(hopper_fp8_forward(prepared, causal=causal), q, k, v, causal)
         rows.append(row)
         done()
         print(f"  {'causal' if causal else 'not causal'} T={t:5d} B={batch:2d}: prepare {row['prepare_torch_ms']:.2f} -> "
               f"{row['prepare_ms']:.2f} ms (identical: {row['identical']}, rotated {row['identical_rotated']}); "
               + ", ".join(f"{n} {row[n]:.0f}" for n in impls), flush=True)
-        del q, k, v, prepared
+        del q, k, v, prepared, prepared_kv
         torch.cuda.empty_cache()
     return rows
 
 
 def fp8_prepare_report(result: dict) -> str:
-    """--fp8-prepare's table as markdown."""
+    """--fp8-prepare's table as markdown (rows saved before Q could be left to the kernel lack its columns)."""
+    rows = result["fp8_prepare"]
+    kv = all("prepare_kv_ms" in r for r in rows)                        # Q left to the kernel's consumers, timed
+    names = [n for n in FP8_PREPARE_NAMES if all(n in r for r in rows)]
     lines = report_opening(
         "# FP8 end to end: prepare_fp8 in one Triton pass", result["environment"],
         "Times by triton.testing.do_bench (L2 flushed before each run), every number from one process. bf16 inputs, "
@@ -537,17 +545,25 @@ def fp8_prepare_report(result: dict) -> str:
         "and scales, without and with a rotation of Q and K. 'FP8 kernel': fp8_forward (Triton) on inputs already prepared; 'FP8 Gluon "
         "kernel': hopper_fp8_forward on the same; 'fp8_attention': quantize_fp8 and the kernel, from bf16 (the Gluon "
         "kernel where it applies). Error: max |o - reference| of fp8_attention over batch 0, heads 0-1, against FP32."
-        + _rounds_sentence(result["fp8_prepare"]))
+        + (" 'FP8 Gluon kernel, Q in bf16': hopper_fp8_forward on K and V prepared alone (prepare_fp8's "
+           "quantize_q=False, timed as 'prepare K, V'), its consumers quantizing Q, one scale a row, as fp8_attention "
+           "does in the Gluon kernel; RMS: the RMS error of fp8_attention and of the Gluon kernel on Q quantized by "
+           "prepare_fp8." if kv else "")
+        + _rounds_sentence(rows))
     lines += ["| causal | T | B | prepare, PyTorch (ms) | prepare, Triton (ms) | speed-up | identical | "
-              + " | ".join(FP8_PREPARE_NAMES) + " | fp8_attention / hopper | fp8_attention / cuDNN | FP8 error |",
-              "|---" * (7 + len(FP8_PREPARE_NAMES) + 3) + "|"]
-    for r in result["fp8_prepare"]:
+              + ("prepare K, V (ms) | " if kv else "") + " | ".join(names)
+              + " | fp8_attention / hopper | fp8_attention / cuDNN | FP8 error |"
+              + (" RMS, fp8_attention | RMS, Q by prepare_fp8 |" if kv else ""),
+              "|---" * (7 + kv + len(names) + 3 + 2 * kv) + "|"]
+    for r in rows:
         lines.append(f"| {'yes' if r['causal'] else 'no'} | {r['t']} | {r['batch']} | {r['prepare_torch_ms']:.2f} | "
                      f"{r['prepare_ms']:.2f} | {r['prepare_torch_ms'] / r['prepare_ms']:.1f} | "
                      f"{'yes' if r['identical'] and r['identical_rotated'] else 'no'} | "
-                     + " | ".join(f"{r.get(n, float('nan')):.1f}" for n in FP8_PREPARE_NAMES)
+                     + (f"{r['prepare_kv_ms']:.2f} | " if kv else "")
+                     + " | ".join(f"{r[n]:.1f}" for n in names)
                      + f" | {r['fp8_attention'] / r['hopper_attention']:.2f} | {r['fp8_attention'] / r['SDPA cuDNN']:.2f}"
-                     f" | {r['fp8_attention error']:.1e} |")
+                     f" | {r['fp8_attention error']:.1e} |"
+                     + (f" {r['fp8_attention RMS error']:.2e} | {r['FP8 Gluon kernel RMS error']:.2e} |" if kv else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -52,8 +52,8 @@ def quantize_blocks(x, block):
 class Fp8Inputs:
     """Q, K and V in e4m3 with their per-block scales, laid out for fp8_fwd_kernel."""
 
-    q: torch.Tensor           # [B, Hq, T, D] e4m3
-    q_scale: torch.Tensor     # [B, Hq, ceil(T / block)] FP32
+    q: torch.Tensor           # [B, Hq, T, D] e4m3 (or bf16 / fp16 where q_scale is None: see prepare_fp8)
+    q_scale: torch.Tensor     # [B, Hq, ceil(T / block)] FP32, or None: Q is left for the Hopper kernel to quantize
     k: torch.Tensor           # [B, Hkv, S, D] e4m3
     k_scale: torch.Tensor     # [B, Hkv, ceil(S / block)] FP32
     v_t: torch.Tensor         # [B, Hkv, D, S16] e4m3: V transposed, S padded to a multiple of 16 (TMA's row alignment)
@@ -145,17 +145,19 @@ def quantize_fp8(x, block, transpose=False):
     return x8, scales
 
 
-def prepare_fp8(q, k, v, rotation=None, block=None):
+def prepare_fp8(q, k, v, rotation=None, block=None, quantize_q=True):
     """Quantize q [B, Hq, T, D], k and v [B, Hkv, S, D] to e4m3 with per-block scales (quantize_fp8, one pass each).
 
     With `rotation` (an orthogonal [D, D], see random_rotation), Q and K are rotated first: (QR)(KR)ᵀ = QKᵀ,
     so the scores do not change, but an outlier in one channel of Q or K is spread over all D channels,
     and the blocks' scales no longer have to make room for it (incoherent processing, FlashAttention-3).
+    With quantize_q=False, Q is left as it is (q_scale None) for hopper_fp8_forward, whose consumers quantize it
+    as they load it, one scale a row: one pass over Q fewer.
     """
     block = fp8_block() if block is None else block
     if rotation is not None:
         q, k = q.float() @ rotation, k.float() @ rotation                   # [B, H, N, D] @ [D, D]
-    q8, q_scale = quantize_fp8(q, block)
+    q8, q_scale = quantize_fp8(q, block) if quantize_q else (q.contiguous(), None)
     k8, k_scale = quantize_fp8(k, block)
     v_t, v_scale = quantize_fp8(v, block, transpose=True)                   # fp8 products want V's keys contiguous
     return Fp8Inputs(q8, q_scale, k8, k_scale, v_t, v_scale, block, rotation is not None)
@@ -290,6 +292,8 @@ def fp8_forward(inputs, causal=True, query_offset=None, out_dtype=None):
     """Attention from prepared e4m3 inputs (prepare_fp8): [B, Hq, T, D] in out_dtype (bf16 on a GPU)."""
     if any(inputs.block % config.kwargs[size] for config in fp8_fwd_tuned.configs for size in ("BLOCK_M", "BLOCK_N")):
         raise ValueError(f"{inputs.block} rows per scale: every tile the kernel may use must lie in one scale block")
+    if inputs.q_scale is None:
+        raise ValueError("fp8_forward reads Q in e4m3: prepare the inputs with prepare_fp8(..., quantize_q=True)")
     q8, k8 = inputs.q, inputs.k
     batch, q_heads, t, d = q8.shape
     kv_heads, s = k8.shape[1], k8.shape[2]
@@ -316,15 +320,17 @@ HOPPER_FP8_STAGES = 3  # K and Vᵀ tiles in flight: 3 x 2 x 16 KiB at D = 128, 
 
 def _hopper_fp8_refusal(inputs, causal, query_offset):
     """Why step 5's schedule cannot run these prepared inputs (words), or None."""
-    q8, k8 = inputs.q, inputs.k
-    T, D, S = q8.shape[2], q8.shape[3], k8.shape[2]
-    if step5.gluon is None or q8.device.type != "cuda" or torch.cuda.get_device_capability(q8.device)[0] != 9:
+    q, k8 = inputs.q, inputs.k
+    T, D, S = q.shape[2], q.shape[3], k8.shape[2]
+    if step5.gluon is None or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "hopper_fp8_forward runs on a Hopper GPU (H100, H200) with Triton's Gluon layer"
     if D not in (64, 128) or inputs.block != step5.HOPPER_BLOCK_N:
         return (f"hopper_fp8_forward takes D = 64 or 128 and {step5.HOPPER_BLOCK_N} rows per scale; got D = {D}, "
                 f"{inputs.block} rows per scale")
     if causal and (S - T if query_offset is None else query_offset) < 0:
         return f"a causal query_offset must be >= 0, got {query_offset}"
+    if inputs.q_scale is None and q.dtype not in (torch.bfloat16, torch.float16):
+        return f"Q left for the kernel to quantize must be bf16 or fp16, got {q.dtype}"
     return None
 
 
@@ -332,6 +338,7 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
                        pingpong=None, overlap=None, tma_store=None):
     """Attention from prepared e4m3 inputs (prepare_fp8) through step 5's schedule with FP8=True: o [B, Hq, T, D]
     in out_dtype. ValueError where the schedule does not apply (see _hopper_fp8_refusal): use fp8_forward.
+    Where Q was left in bf16 or fp16 (prepare_fp8's quantize_q=False), each consumer quantizes its rows (QQ).
 
     Left None: persistent programs with the overlap across items, and o written by TMA where T is a multiple of 64,
     at every T (each was faster wherever it changed the launch, in `python -m flashcourse.bench.fast
@@ -341,43 +348,51 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     if refusal is not None:
         raise ValueError(f"{refusal}: use fp8_forward")
     gl = step5.gl
-    q8, k8 = inputs.q, inputs.k
-    B, Hq, T, D = q8.shape
+    q, k8 = inputs.q, inputs.k
+    in_kernel = inputs.q_scale is None                                  # Q quantized by the consumers
+    B, Hq, T, D = q.shape
     Hkv, S = k8.shape[1], k8.shape[2]
     query_offset = S - T if query_offset is None else int(query_offset)
     persistent = True if persistent is None else persistent
     pingpong = step5.hopper_schedule(T, D, causal)[1] if pingpong is None else pingpong
     overlap = persistent if overlap is None else overlap
 
-    def descriptor(x, block):                                            # x: 2-D, e4m3, rows 16-byte aligned
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    def descriptor(x, block, dtype=gl.float8e4nv):                      # x: 2-D, rows 16-byte aligned
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
         return step5.GluonDescriptor.from_tensor(x, block, layout)
 
-    q_desc = descriptor(q8.view(B * Hq * T, D), [step5.HOPPER_BLOCK_M // 2, D])
+    q_block = [step5.HOPPER_BLOCK_M // 2, D]                            # one consumer's rows
+    q_dtype = (gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16) if in_kernel else gl.float8e4nv
+    q_desc = descriptor(q.view(B * Hq * T, D), q_block, q_dtype)
     k_desc = descriptor(k8.view(B * Hkv * S, D), [step5.HOPPER_BLOCK_N, D])
     vt_desc = descriptor(inputs.v_t.view(B * Hkv * D, -1), [D, step5.HOPPER_BLOCK_N])   # Vᵀ [B*Hkv*D, S16]
-    o = torch.empty(q8.shape, device=q8.device, dtype=out_dtype)        # [B, Hq, T, D]
+    o = torch.empty(q.shape, device=q.device, dtype=out_dtype)          # [B, Hq, T, D]
     tma_store, o_desc = step5._o_descriptor(o, tma_store, "hopper_fp8_forward")
     items = triton.cdiv(T, step5.HOPPER_BLOCK_M) * B * Hq
-    programs = min(items, torch.cuda.get_device_properties(q8.device).multi_processor_count) if persistent else items
-    queue = torch.zeros(1, dtype=torch.int32, device=q8.device)
+    programs = min(items, torch.cuda.get_device_properties(q.device).multi_processor_count) if persistent else items
+    queue = torch.zeros(1, dtype=torch.int32, device=q.device)
+    q_scale = inputs.k_scale if in_kernel else inputs.q_scale           # read only without QQ
     step5.hopper_fwd_kernel[(programs,)](
-        q_desc, k_desc, vt_desc, o, o, inputs.q_scale, inputs.k_scale, inputs.v_scale, queue, T, S, Hq, Hkv,
-        B * Hq, query_offset, inputs.q_scale.shape[2], inputs.k_scale.shape[2], LOG2E / math.sqrt(D), D=D,
+        q_desc, k_desc, vt_desc, o, o, q_scale, inputs.k_scale, inputs.v_scale, queue, T, S, Hq, Hkv,
+        B * Hq, query_offset, q_scale.shape[2], inputs.k_scale.shape[2], LOG2E / math.sqrt(D), D=D,
         BLOCK_N=step5.HOPPER_BLOCK_N, STAGES=HOPPER_FP8_STAGES, CAUSAL=causal, PINGPONG=pingpong,
         PERSISTENT=persistent, FP8=True, P_SHIFT=P_SHIFT.value, OVERLAP=overlap, TMA_STORE=tma_store,
-        o_desc=o_desc, num_warps=4)
+        o_desc=o_desc, QQ=in_kernel,
+        q8_layout=gl.NVMMASharedLayout.get_default_for(q_block, gl.float8e4nv) if in_kernel else None, num_warps=4)
     return o
 
 
 def fp8_attention(q, k, v, causal=True, query_offset=None, rotation=None):
     """q [B, Hq, T, D], k and v [B, Hkv, S, D] quantized to e4m3 (prepare_fp8), then attended in FP8: through
-    step 5's schedule (hopper_fp8_forward) where it applies, through fp8_forward elsewhere."""
+    step 5's schedule (hopper_fp8_forward) where it applies, through fp8_forward elsewhere. A bf16 or fp16 Q
+    without a rotation is left to hopper_fp8_forward's consumers to quantize, where it runs."""
     _check_inputs(q, k, v)
     if TensorDescriptor is None:
         raise ValueError("the FP8 kernel needs tensor descriptors (Triton 3.4 or later)")
     out_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
-    inputs = prepare_fp8(q, k, v, rotation)
+    inputs = prepare_fp8(q, k, v, rotation, quantize_q=rotation is not None or out_dtype is None)
     if _hopper_fp8_refusal(inputs, causal, query_offset) is None:
         return hopper_fp8_forward(inputs, causal, query_offset, out_dtype or torch.bfloat16)
+    if inputs.q_scale is None:                                          # fp8_forward reads Q in e4m3
+        inputs.q, inputs.q_scale = quantize_fp8(q, inputs.block)
     return fp8_forward(inputs, causal, query_offset, out_dtype)

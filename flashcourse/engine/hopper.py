@@ -95,7 +95,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         # buffers (2 for the overlap across items), which items take in turn. V_TRANSPOSED (step 6's FP8): v_desc
         # is over Vᵀ [B*Hkv*D, S16], whose tile is the D rows of the KV head and BLOCK_N keys.
         dtype: gl.constexpr = q_desc.dtype
-        tile_bytes: gl.constexpr = BLOCK_N * D * dtype.primitive_bitwidth // 8
+        tile_bytes: gl.constexpr = BLOCK_N * D * k_desc.dtype.primitive_bitwidth // 8
         t = 0                                     # tiles loaded so far, over all items: the rings' position
         done = 0                                  # items loaded so far
         item = _hopper_next(queue_ptr, n_items, True, PERSISTENT)
@@ -164,12 +164,28 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 s = _hopper_mask(s, q_pos, n0, S, CAUSAL, BLOCK_N, s_layout)
         m_new = gl.maximum(m, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m - m_new)
+        if qk_scale.type.is_block():   # one scale a row (step 6's Q quantized in the kernel), over the row's keys
+            qk_scale = qk_scale[:, None]
         if P_SHIFT:
             p = gl.exp2(s * qk_scale - (m_new - P_SHIFT)[:, None])
         else:
             p = gl.exp2(s * qk_scale - m_new[:, None])
         l = l * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l
+
+
+    @gluon.jit
+    def _quantize_q(q_src, q8_dst, q_layout: gl.constexpr, row_layout: gl.constexpr):
+        # Step 6's Q quantized in the kernel: one consumer's Q rows [WG_M, D] (bf16 or fp16, as loaded) to e4m3 in
+        # q8_dst, each row by its own scale (its largest |q| over 448); returns the scales [WG_M] in row_layout.
+        q = q_src.load(q_layout).to(gl.float32)
+        amax = gl.max(gl.abs(q), axis=1)
+        q_scale = gl.where(amax > 0, amax * (1.0 / 448.0), 1.0)
+        q8 = gl.minimum(gl.maximum(q / q_scale[:, None], -448.0), 448.0).to(q8_dst.dtype)
+        q8_dst.store(q8)
+        fence_async_shared()
+        warpgroup_barrier()                           # every thread's rows stored before wgmma reads them
+        return gl.convert_layout(q_scale, row_layout)
 
 
     @gluon.jit
@@ -191,7 +207,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _hopper_begin(item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks, kv_blocks,
                       WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      FP8: gl.constexpr, CONSUMERS: gl.constexpr, row_layout: gl.constexpr):
+                      FP8: gl.constexpr, QQ: gl.constexpr, CONSUMERS: gl.constexpr, row_layout: gl.constexpr):
         # A consumer's view of an item: its (batch, head), first row, first query position, query positions, key
         # tiles and the scale of its scores; under FP8 also its KV head's first scale and acc's first unit (the
         # first V tile's scale).
@@ -203,7 +219,10 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         v_unit = qk_scale * 0.0 + 1.0
         if FP8:
             kv_scales = ((bh // Hq) * Hkv + (bh % Hq) // (Hq // Hkv)) * kv_blocks   # this KV head's first
-            scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + row0 // 128)    # one scale per 128 rows
+            if QQ:   # Q's scales come one a row, from _quantize_q
+                scale = qk_scale * gl.full([WG_M], 1.0, gl.float32, row_layout)
+            else:
+                scale = qk_scale * gl.load(q_scale_ptr + bh * q_blocks + row0 // 128)    # one scale per 128 rows
             v_unit = gl.load(v_scale_ptr + kv_scales)
         return bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit
 
@@ -311,7 +330,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                         STORE_LSE: gl.constexpr, FP8: gl.constexpr, P_SHIFT: gl.constexpr,
-                        CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, TMA_STORE: gl.constexpr):
+                        CONSUMERS: gl.constexpr, OVERLAP: gl.constexpr, TMA_STORE: gl.constexpr,
+                        q_src, QQ: gl.constexpr):
         # One consumer warpgroup: WG_M query rows of each item against its K/V tiles. Per tile j it issues
         # S_j = Q K_j^T and P_{j-1} V_{j-1} together, then runs softmax j while P_{j-1} V_{j-1} is still on the
         # tensor cores. OVERLAP does the same across items: the next item's first S goes with this item's last
@@ -319,7 +339,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         # is written after. Without it an item's first S is issued alone, after the last item's output.
         # FP8 (step 6): Q, K and Vᵀ in e4m3, each block of 128 rows with its scale (q_blocks, kv_blocks per head):
         # S_j is scaled by Q's block's scale and K_j's, acc is kept in units of the last V tile's scale, and P and
-        # l carry 2^P_SHIFT, as in _fp8_tile.
+        # l carry 2^P_SHIFT, as in _fp8_tile. QQ: q_src holds Q as loaded (bf16 or fp16), and q_smem this
+        # consumer's e4m3 copy of its rows, one scale a row, made by _quantize_q as each item starts.
         Q_BUFFERS: gl.constexpr = 2 if OVERLAP else 1
         dtype: gl.constexpr = q_smem.dtype
         mma_k: gl.constexpr = 256 // dtype.primitive_bitwidth            # a wgmma's depth: 16 in 16 bits, 32 in 8
@@ -338,12 +359,14 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         item = _hopper_get_item(item_0, item_1, 0)
         bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit = _hopper_begin(
             item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks, kv_blocks,
-            WG, WG_M, BLOCK_N, CAUSAL, FP8, CONSUMERS, row_layout)
+            WG, WG_M, BLOCK_N, CAUSAL, FP8, QQ, CONSUMERS, row_layout)
         m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
         l = gl.zeros([WG_M], gl.float32, row_layout)
         p = s_zero
         if OVERLAP:
             if item < n_items:   # the first item's first tile: nothing to pair it with
+                if QQ:
+                    scale = scale * _quantize_q(q_src.index(WG), q_smem.index(WG), o_layout, row_layout)
                 p, m, l = _hopper_first_tile(q_smem.index(WG), k_smem, k_full, k_empty, turns, t, k, s_zero, m, l,
                                              q_pos, first, S, scale, k_scale_ptr, kv_scales, WG, STAGES, CAUSAL,
                                              BLOCK_N, PINGPONG, FP8, P_SHIFT, CONSUMERS, s_layout)
@@ -352,14 +375,16 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
             if not OVERLAP:
                 bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit = _hopper_begin(
                     item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks, kv_blocks,
-                    WG, WG_M, BLOCK_N, CAUSAL, FP8, CONSUMERS, row_layout)
+                    WG, WG_M, BLOCK_N, CAUSAL, FP8, QQ, CONSUMERS, row_layout)
                 m = gl.full([WG_M], -float("inf"), gl.float32, row_layout)
                 l = gl.zeros([WG_M], gl.float32, row_layout)
+                if QQ:
+                    scale = scale * _quantize_q(q_src.index(WG), q_smem.index(WG), o_layout, row_layout)
                 p, m, l = _hopper_first_tile(q_smem.index(WG), k_smem, k_full, k_empty, turns, t, k, s_zero, m, l,
                                              q_pos, first, S, scale, k_scale_ptr, kv_scales, WG, STAGES, CAUSAL,
                                              BLOCK_N, PINGPONG, FP8, P_SHIFT, CONSUMERS, s_layout)
                 k += 1
-            q_wg = q_smem.index(CONSUMERS * (done % Q_BUFFERS) + WG)
+            q_wg = q_smem.index(WG if QQ else CONSUMERS * (done % Q_BUFFERS) + WG)
             acc = warpgroup_mma_init(gl.zeros([WG_M, D], gl.float32, o_layout))
             if OVERLAP:   # one loop, each tile's mask decided at run time: with the two loops below, the
                 # overlap's outputs came out wrong on an H100 (Triton 3.6)
@@ -408,9 +433,12 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                 if item < n_items:   # the next item's first S beside this item's last P V, its softmax under it
                     bh, row0, first, q_pos, n_tiles, scale, kv_scales, v_unit = _hopper_begin(
                         item, n_m, T, S, Hq, Hkv, query_offset, qk_scale, q_scale_ptr, v_scale_ptr, q_blocks,
-                        kv_blocks, WG, WG_M, BLOCK_N, CAUSAL, FP8, CONSUMERS, row_layout)
+                        kv_blocks, WG, WG_M, BLOCK_N, CAUSAL, FP8, QQ, CONSUMERS, row_layout)
+                    if QQ:   # its e4m3 copy replaces this item's, whose products with Q are all issued and done
+                        scale = scale * _quantize_q(q_src.index(CONSUMERS * nb + WG), q_smem.index(WG), o_layout,
+                                                    row_layout)
                     slot = t % STAGES
-                    q_next = q_smem.index(CONSUMERS * nb + WG)
+                    q_next = q_smem.index(WG if QQ else CONSUMERS * nb + WG)
                     mbarrier.wait(k_full.index(slot), (t // STAGES) & 1)
                     _take_turn(turns, k, WG, PINGPONG)
                     s_tok = warpgroup_mma(q_next, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
@@ -473,15 +501,21 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         OVERLAP: gl.constexpr = False,           # the next item's first S beside this item's last P V
         TMA_STORE: gl.constexpr = False,         # o through shared memory by TMA (T % 64 == 0)
         o_desc=None,                             # TMA_STORE: TMA descriptor of o [B*Hq*T, D] by 64 rows
+        QQ: gl.constexpr = False,                # FP8 with q_desc over Q in bf16 or fp16: each consumer quantizes
+        q8_layout: gl.constexpr = None,          # QQ: the shared layout of an e4m3 [64, D] tile
     ):
         Q_BUFFERS: gl.constexpr = 2 if OVERLAP else 1
         WG_M: gl.constexpr = 64
         BLOCK_M: gl.constexpr = CONSUMERS * WG_M
-        dtype: gl.constexpr = q_desc.dtype
+        dtype: gl.constexpr = k_desc.dtype
         n_m = gl.cdiv(T, BLOCK_M)
         n_items = n_m * B_HQ
 
-        q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * CONSUMERS, WG_M, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS * CONSUMERS, WG_M, D], q_desc.layout)
+        if QQ:   # each consumer's e4m3 copy of its Q rows, which the products read
+            q8_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, WG_M, D], q8_layout)
+        else:
+            q8_smem = q_smem
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         if FP8:
             v_smem = gl.allocate_shared_memory(dtype, [STAGES, D, BLOCK_N], v_desc.layout)   # Vᵀ's tiles
@@ -515,37 +549,37 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                (_hopper_consume, (q8_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 0, WG_M,
                                    BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
-                                   TMA_STORE)),
-                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   TMA_STORE, q_smem, QQ)),
+                (_hopper_consume, (q8_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 1, WG_M,
                                    BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
-                                   TMA_STORE)),
+                                   TMA_STORE, q_smem, QQ)),
                 (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                                 k_empty, v_empty, item_0, item_1, queue_ptr, T, S, Hq, Hkv, query_offset, n_m,
                                 n_items, WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS, Q_BUFFERS)),
             ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
         else:   # three: 160 registers each for consumers 1 and 2, 168 are left to consumer 0
             gl.warp_specialize([
-                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                (_hopper_consume, (q8_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 0, WG_M,
                                    BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
-                                   TMA_STORE)),
-                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   TMA_STORE, q_smem, QQ)),
+                (_hopper_consume, (q8_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 1, WG_M,
                                    BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
-                                   TMA_STORE)),
-                (_hopper_consume, (q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
+                                   TMA_STORE, q_smem, QQ)),
+                (_hopper_consume, (q8_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full, k_empty, v_empty, turns,
                                    item_0, item_1, o_ptr, lse_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, T, S, Hq, Hkv,
                                    query_offset, n_m, n_items, q_blocks, kv_blocks, qk_scale, o_desc, o_smem, 2, WG_M,
                                    BLOCK_N, D, STAGES, CAUSAL, PINGPONG, STORE_LSE, FP8, P_SHIFT, CONSUMERS, OVERLAP,
-                                   TMA_STORE)),
+                                   TMA_STORE, q_smem, QQ)),
                 (_hopper_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_full, v_full,
                                 k_empty, v_empty, item_0, item_1, queue_ptr, T, S, Hq, Hkv, query_offset, n_m,
                                 n_items, WG_M, BLOCK_N, D, STAGES, CAUSAL, PERSISTENT, FP8, CONSUMERS, Q_BUFFERS)),
