@@ -52,6 +52,7 @@ FP8_ROUNDING = "benchmarks/results/2026-12-06-h100-fp8-gpu-rounding.json"  # 08:
 FP8_SCHEDULE = "flashcourse/bench/measured/fp8_schedule.json"    # 08: FP8 with persistent, overlap, o by TMA
 FP8_SCHEDULE_END = "benchmarks/results/2026-12-06-h100-fp8-schedule-end-to-end.json"  # 08: fp8_attention with it
 FP8_NCU = "benchmarks/results/2026-12-06-h100-fp8-ncu.json"   # 08: Nsight Compute, hopper_fp8_forward beside bf16
+FP8_Q_IN_KERNEL = "benchmarks/results/2026-12-07-h100-fp8-q-in-kernel.json"  # 08: FP8 with Q quantized in the kernel
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
 CONSUMERS_SPLIT = "benchmarks/results/2026-12-06-h100-hopper-consumers-after-split.json"  # 08: the same, later
 CONSUMERS_SIX = "benchmarks/results/2026-12-06-h100-hopper-consumers-six-rounds.json"  # 08: the same, six rounds
@@ -236,6 +237,15 @@ def _end_to_end(data, t: int, causal: bool = True) -> float:
     return row["fp8_attention"] / row["hopper_attention"]
 
 
+def _q_prepared_whole(data, t: int, causal: bool = True) -> float:
+    """The Gluon kernel on Q prepared whole plus prepare_fp8's time, over hopper_attention, at the --fp8-prepare row
+    at T = t: fp8_attention end to end as it was before Q was left to the kernel, from the same run's medians."""
+    row = _fp8_prepare(data, t, causal)
+    flops = (2.0 if causal else 4.0) * row["batch"] * row["heads"] * t * t * row["d"]
+    ms = flops / row["FP8 Gluon kernel"] / 1e9 + row["prepare_ms"]
+    return flops / ms / 1e9 / row["hopper_attention"]
+
+
 def _over(data, name: str, under: str, rows: str = "fp8_prepare") -> list[float]:
     """`name`'s TFLOP/s over `under`'s, at every row of data[rows] (by default the --fp8-prepare rows, where
     "fp8_attention" is end to end, from bf16)."""
@@ -348,6 +358,9 @@ def _best_ratios(rows, column: str, over: str, **match) -> list[float]:
     """column's best TFLOP/s over `over`'s, each row of rows whose fields equal match's (causal=True, d=64, ...)."""
     return [r["best"][column] / r["best"][over] for r in rows if _matches(r, match)]
 
+
+# --fp8-prepare: the Gluon kernel with Q left to its consumers over the same on Q prepared whole
+_FP8_Q_LEFT_OVER_WHOLE = ("FP8 Gluon kernel, Q in bf16", "FP8 Gluon kernel")
 
 # --fp8-schedule's default column over step 5's choice, over bf16, over cuDNN (its rows: "fp8_schedule")
 _FP8_DEFAULT_OVER_STEP_5 = ("+ o by TMA", "FP8, step 5's choice", "fp8_schedule")
@@ -813,6 +826,23 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.rounding.identical": Figure(FP8_ROUNDING, lambda d: sum(r["identical"] and r["identical_rotated"]
                                                                      for r in d["fp8_prepare"])),
     "gap.fp8.rounding.rows": Figure(FP8_ROUNDING, lambda d: len(d["fp8_prepare"])),
+    "gap.fp8.qq.prepare_kv_ms": Figure(FP8_Q_IN_KERNEL, lambda d: _fp8_prepare(d, 8192)["prepare_kv_ms"], 2),
+    "gap.fp8.qq.prepare_ms": Figure(FP8_Q_IN_KERNEL, lambda d: _fp8_prepare(d, 8192)["prepare_ms"], 2),
+    "gap.fp8.qq.kernel_min": Figure(FP8_Q_IN_KERNEL, lambda d: min(_over(d, *_FP8_Q_LEFT_OVER_WHOLE)), 2),
+    "gap.fp8.qq.kernel_max": Figure(FP8_Q_IN_KERNEL, lambda d: max(_over(d, *_FP8_Q_LEFT_OVER_WHOLE)), 2),
+    "gap.fp8.qq.end_to_end_4k": Figure(FP8_Q_IN_KERNEL, lambda d: _end_to_end(d, 4096), 2),
+    "gap.fp8.qq.end_to_end_8k": Figure(FP8_Q_IN_KERNEL, lambda d: _end_to_end(d, 8192), 2),
+    "gap.fp8.qq.end_to_end_16k": Figure(FP8_Q_IN_KERNEL, lambda d: _end_to_end(d, 16384), 2),
+    "gap.fp8.qq.end_to_end_full_8k": Figure(FP8_Q_IN_KERNEL, lambda d: _end_to_end(d, 8192, causal=False), 2),
+    "gap.fp8.qq.whole_4k": Figure(FP8_Q_IN_KERNEL, lambda d: _q_prepared_whole(d, 4096), 2),
+    "gap.fp8.qq.whole_8k": Figure(FP8_Q_IN_KERNEL, lambda d: _q_prepared_whole(d, 8192), 2),
+    "gap.fp8.qq.rms_4k": Figure(FP8_Q_IN_KERNEL, lambda d: 1e3 * _fp8_prepare(d, 4096)["fp8_attention RMS error"], 2),
+    "gap.fp8.qq.rms_whole_4k": Figure(FP8_Q_IN_KERNEL,
+                                      lambda d: 1e3 * _fp8_prepare(d, 4096)["FP8 Gluon kernel RMS error"], 2),
+    "gap.fp8.qq.rms_lower": Figure(FP8_Q_IN_KERNEL, lambda d: sum(r["fp8_attention RMS error"]
+                                                                  < r["FP8 Gluon kernel RMS error"]
+                                                                  for r in d["fp8_prepare"])),
+    "gap.fp8.qq.rows": Figure(FP8_Q_IN_KERNEL, lambda d: len(d["fp8_prepare"])),
     "gap.fp8.schedule.gain_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
     "gap.fp8.schedule.gain_max": Figure(FP8_SCHEDULE, lambda d: max(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
     "gap.fp8.schedule.over_bf16_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_BF16)), 2),
