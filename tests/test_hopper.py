@@ -681,7 +681,7 @@ if hb.gluon is None:
 os.environ["TRITON_INTERPRET"] = "0"
 
 """ + SM90_DRIVER + SM90_SASS + """results = []
-for kernel, d, causal, atomic in json.loads(sys.argv[1]):
+for kernel, d, causal, atomic, regs in json.loads(sys.argv[1]):
     x = torch.empty(1, 2, 512, d, dtype=torch.bfloat16)
     f = torch.empty(1, 2, 512)
     scalars = (512, 512, 2, 1, 0, 0.1, 0.1)
@@ -693,7 +693,7 @@ for kernel, d, causal, atomic in json.loads(sys.argv[1]):
                 hb._descriptor(x, hb.BWD_HALF_N), hb._descriptor(x, hb.BWD_HALF_N), f, f,
                 hb._dq_descriptor(x.float()) if atomic else hb._descriptor(x, hb.BWD_BLOCK_M), x, x, *scalars,
                 ds_layout, D=d, BLOCK_M=hb.BWD_BLOCK_M, HALF_N=hb.BWD_HALF_N, STAGES=hb.BWD_STAGES, CAUSAL=causal,
-                ATOMIC_DQ=atomic, num_warps=4, grid=(1,))
+                ATOMIC_DQ=atomic, CONSUMER_REGS=regs, num_warps=4, grid=(1,))
         else:
             compiled = hb.hopper_dq_kernel.warmup(
                 hb._descriptor(x, hb.DQ_HALF_M), hb._descriptor(x, hb.DQ_HALF_M), hb._descriptor(x, hb.DQ_BLOCK_N),
@@ -704,6 +704,8 @@ for kernel, d, causal, atomic in json.loads(sys.argv[1]):
                     "adds": ptx.count("cp.reduce.async.bulk"),
                     "atomics": ptx.count("red.global") + ptx.count("atom.global"), "shared": compiled.metadata.shared,
                     "ptxas_log": "registers" in ptxas_log.getvalue(), "serialized": "C7512" in ptxas_log.getvalue(),
+                    "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)",
+                                                                     ptx)}),
                     "loops_without_selects": loops_without_selects(compiled.asm["cubin"])})
 print(json.dumps(results))
 """
@@ -716,14 +718,16 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     warning C7512, under which each wgmma waits for the one before), as Triton 3.6's did to the atomic kernel under
     a causal mask at D = 128 while the kernel formed its products transposed, and would to dQ's product issued a
     tile later at D = 128 (the kernel does that at D = 64 only). Each holds a tile loop with no select: under a
-    causal mask the tiles the diagonal crosses run in a loop of their own."""
+    causal mask the tiles the diagonal crosses run in a loop of their own. The dK/dV kernel's consumers get the
+    registers asked (CONSUMER_REGS for consumer 1, the rest of 504 less the producer's 24 for consumer 0)."""
     import json
     import os
     import subprocess
     import sys
 
-    configs = [("dkdv", 128, True, False), ("dkdv", 128, True, True), ("dkdv", 64, False, True), ("dkdv", 64, True, True),
-               ("dq", 128, True, False), ("dq", 64, False, False)]
+    configs = [("dkdv", 128, True, False, 232), ("dkdv", 128, True, True, 232), ("dkdv", 64, False, True, 240),
+               ("dkdv", 64, True, True, 232), ("dkdv", 128, False, True, 240), ("dq", 128, True, False, None),
+               ("dq", 64, False, False, None)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path),
                                                                              "TRITON_DUMP_PTXAS_LOG": "1"}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE_BACKWARD, json.dumps(configs)], capture_output=True,
@@ -732,13 +736,15 @@ def test_hopper_backward_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     results = json.loads(done.stdout.strip().splitlines()[-1])
     if isinstance(results, dict):
         pytest.skip(f"Triton {results['no gluon']} has no Gluon layer: hopper_backward falls back, as tested below")
-    for (kernel, d, causal, atomic), result in zip(configs, results):
+    for (kernel, d, causal, atomic, regs), result in zip(configs, results):
         assert result["cubin"] > 0 and result["wgmma"] >= 4, (kernel, d, result)
         assert result["shared"] <= 227 * 1024, (kernel, d, result)
         assert (result["adds"] > 0) == atomic and result["atomics"] == 0, (kernel, d, atomic, result)
         assert result["ptxas_log"] and not result["serialized"], (kernel, d, result)
         # the tiles every row sees whole run in a loop of their own, with no mask code
         assert result["loops_without_selects"] > 0, (kernel, d, causal, result)
+        if kernel == "dkdv":
+            assert regs in result["registers"] and 504 - 24 - regs in result["registers"], (regs, result)
 
 
 SM90_COMPILE_FP8 = """
@@ -816,6 +822,55 @@ def test_hopper_attention_train_runs_06s_kernels_where_gluon_cannot():
     o, lse = flash_attention_lse(q, k, v)
     with pytest.raises((ValueError, RuntimeError), match="hopper"):
         hopper_backward(q, k, v, o, lse, do, fallback=False)
+
+
+def test_dkdv_registers_follow_the_measured_rule():
+    """dkdv_registers picks, on every row of the saved --registers run where the two splits lay more than 2 %
+    apart, the faster one, for the dQ path hopper_backward takes at that length."""
+    import json
+
+    from flashcourse.bench.hopper_backward import REGISTER_SPLITS
+    from flashcourse.engine.hopper_backward import ONE_KERNEL_FROM_T, dkdv_registers
+
+    rows = json.loads(open("benchmarks/results/2026-12-07-h100-backward-registers.json").read())["registers"]
+    decided = [r for r in rows if abs(r["240 registers"] / r["232 registers"] - 1) > 0.02]
+    assert len(decided) >= 4
+    for r in decided:
+        faster = max(REGISTER_SPLITS, key=lambda regs: r[f"{regs} registers"])
+        assert dkdv_registers(r["d"], r["causal"], r["t"] >= ONE_KERNEL_FROM_T) == faster, r
+
+
+def test_registers_bench_times_both_splits(monkeypatch, tmp_path):
+    """--registers times hopper_backward at each split and cuDNN, five rounds a row, asks for the split it names,
+    and reports each split over the other and over cuDNN; its plot draws from the saved run."""
+    import json
+
+    from flashcourse.bench import hopper_backward as bench
+    from flashcourse.engine import hopper, hopper_backward
+
+    asked = []
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda: "a test")
+    monkeypatch.setattr(bench, "_row_inputs", lambda causal, d, t, kv: (*[torch.zeros(1)] * 4, 1e12, dict(
+        causal=causal, d=d, t=t, q_heads=32, kv_heads=kv, batch=1)))
+    monkeypatch.setattr(hopper, "hopper_attention_lse", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(hopper_backward, "hopper_backward",
+                        lambda *args, consumer_registers, **kwargs: asked.append(consumer_registers) or (
+                            torch.zeros(1), torch.zeros(1), torch.full((1,), float(consumer_registers == 240))))
+    monkeypatch.setattr(bench, "_sdpa", lambda *args: lambda q, k, v: None)
+    monkeypatch.setattr(bench.torch.autograd, "grad", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench, "_time_row", lambda row, timings, flops, rounds: row.update(
+        {n: (200.0 if n == "SDPA cuDNN" else float(n.split()[0])) for n in timings}, rounds=rounds))
+    out = tmp_path / "regs.md"
+    assert bench.main(["--registers", "--json", str(tmp_path / "regs.json"), "--out", str(out)]) == 0
+    rows = json.loads((tmp_path / "regs.json").read_text())["registers"]
+    assert len(rows) == len(bench.REGISTER_ROWS) and all(r["rounds"] == bench.REGISTER_ROUNDS for r in rows)
+    assert asked.count(232) == asked.count(240) == len(rows)          # each split asked once a row, for its bits
+    assert not any(r["dk, dv identical"] for r in rows)                # dv differed between the fakes
+    assert "| 232 | 240 | 200 | 1.034 | 1.160 | 1.200 | no |" in out.read_text()
+    saved = json.loads(open("benchmarks/results/2026-12-07-h100-backward-registers.json").read())
+    bench.registers_plot(saved, str(tmp_path / "regs.png"))
+    assert (tmp_path / "regs.png").stat().st_size > 10_000
 
 
 def test_hopper_backward_report_and_plot_from_the_saved_run(tmp_path):

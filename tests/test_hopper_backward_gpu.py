@@ -80,6 +80,24 @@ def test_hopper_backward_matches_float64(batch, q_heads, kv_heads, t, s, d, caus
 
 
 @hopper_only
+@pytest.mark.parametrize("atomic_dq", [False, True])
+@pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal, offset", [SHAPES[3], SHAPES[2]])
+def test_hopper_backward_register_split_keeps_its_sums(batch, q_heads, kv_heads, t, s, d, causal, offset, atomic_dq):
+    """The dK/dV kernel's consumer 1 at 232 or 240 registers (consumer_registers) moves spills, not sums: dk and dv
+    the same bits both ways, and dq too from the dQ kernel (added in no fixed order, with atomic_dq, it may differ
+    in its last bits)."""
+    from flashcourse.engine.backward import flash_attention_lse
+    from flashcourse.engine.hopper_backward import hopper_backward
+
+    q, k, v, do = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16)
+    o, lse = flash_attention_lse(q, k, v, s - t if offset is None else offset, causal)
+    first, second = (hopper_backward(q, k, v, o, lse, do, causal, offset, atomic_dq=atomic_dq, fallback=False,
+                                     consumer_registers=regs) for regs in (232, 240))
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    assert torch.equal(first[0], second[0]) or atomic_dq
+
+
+@hopper_only
 @pytest.mark.parametrize("t", [256, 4096])
 def test_hopper_backward_default_runs_the_dq_kernel_below_one_kernel_from_t(t, monkeypatch):
     """By default the dQ kernel runs below ONE_KERNEL_FROM_T queries and not from there, where the dK/dV kernel

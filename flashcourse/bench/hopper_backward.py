@@ -10,6 +10,10 @@ autograd of the naive attention. FLOPs as in 06's benchmark: forward 4 B Hq T S 
 backward 2.5 times that. Times by triton.testing.do_bench (L2 flushed before each run), each the median of three
 rounds (in runs saved before 2026-12-07, the best of three) over every implementation in turn, every other
 round in reverse order, each pair of rounds starting one place later.
+
+With --registers: the backward alone with the dK/dV kernel's consumer 1 at 232 registers (consumer 0 then keeps
+248) and at 240 (both 240), beside cuDNN's, each the median of five rounds, over the backward's rows and more
+lengths without a mask; and whether dk and dv came out the same bits both ways.
 """
 
 from __future__ import annotations
@@ -29,8 +33,22 @@ ROUNDS = 3                  # each time the median of three rounds: the GPU's sp
 ROWS = [  # (causal, D, T, Hkv): 06's benchmark rows that the backward's goal names
     (True, 128, 1024, 32), (True, 128, 4096, 32), (True, 128, 8192, 32), (True, 128, 16384, 32),
     (False, 128, 8192, 32), (True, 64, 8192, 32), (True, 128, 8192, 8)]
+REGISTER_ROWS = ROWS + [(False, 128, 1024, 32), (False, 128, 4096, 32), (False, 128, 16384, 32), (True, 64, 4096, 32),
+                        (False, 64, 8192, 32), (False, 128, 8192, 8)]
+REGISTER_SPLITS = (232, 240)   # consumer 1's registers in the dK/dV kernel (hopper_backward's consumer_registers)
+REGISTER_ROUNDS = 5
 BACKWARD = ["06 Triton", "Gluon", "Gluon, atomic dQ", "SDPA cuDNN", "SDPA flash"]
 TRAINING = ["flash_attention_train (06)", "hopper_attention_train", "SDPA cuDNN", "SDPA flash"]
+
+
+def _row_inputs(causal: bool, d: int, t: int, kv_heads: int):
+    """(q, k, v, do, the forward's FLOPs, the row's description) for one row: bf16, seeded, B x T = TOKENS."""
+    batch = max(1, TOKENS // t)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, do = (torch.randn(batch, Q_HEADS, t, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "qo")
+    k, v = (torch.randn(batch, kv_heads, t, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
+    flops = (2.0 if causal else 4.0) * batch * Q_HEADS * t * t * d
+    return q, k, v, do, flops, dict(causal=causal, d=d, t=t, q_heads=Q_HEADS, kv_heads=kv_heads, batch=batch)
 
 
 def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
@@ -40,12 +58,7 @@ def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
     from flashcourse.engine.hopper import hopper_attention_lse
     from flashcourse.engine.hopper_backward import hopper_attention_train, hopper_backward
 
-    batch = max(1, TOKENS // t)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, do = (torch.randn(batch, Q_HEADS, t, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "qo")
-    k, v = (torch.randn(batch, kv_heads, t, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
-    flops = (2.0 if causal else 4.0) * batch * Q_HEADS * t * t * d
-    row = dict(causal=causal, d=d, t=t, q_heads=Q_HEADS, kv_heads=kv_heads, batch=batch)
+    q, k, v, do, flops, row = _row_inputs(causal, d, t, kv_heads)
     o, lse = hopper_attention_lse(q, k, v, causal=causal, fallback=False)
     kernels = {"06 Triton": lambda: step06.flash_attention_backward(q, k, v, o, lse, do, causal=causal),
                "Gluon": lambda: hopper_backward(q, k, v, o, lse, do, causal=causal, atomic_dq=False, fallback=False),
@@ -74,6 +87,32 @@ def measure_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
     return row
 
 
+def measure_registers_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
+    """The backward alone (TFLOP/s) with consumer 1 at each of REGISTER_SPLITS, and cuDNN's."""
+    from torch.nn.attention import SDPBackend
+
+    from flashcourse.engine.hopper import hopper_attention_lse
+    from flashcourse.engine.hopper_backward import hopper_backward
+
+    q, k, v, do, flops, row = _row_inputs(causal, d, t, kv_heads)
+    o, lse = hopper_attention_lse(q, k, v, causal=causal, fallback=False)
+    timings = {f"{regs} registers": functools.partial(hopper_backward, q, k, v, o, lse, do, causal=causal,
+                                                      fallback=False, consumer_registers=regs)
+               for regs in REGISTER_SPLITS}
+    grads = [fn() for fn in timings.values()]
+    row["dk, dv identical"] = all(torch.equal(a, b) for a, b in zip(grads[0][1:], grads[1][1:]))
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    sdpa = _sdpa(SDPBackend.CUDNN_ATTENTION, causal, kv_heads != Q_HEADS)
+    timings["SDPA cuDNN"] = functools.partial(torch.autograd.grad, sdpa(qg, kg, vg), (qg, kg, vg), do,
+                                              retain_graph=True)
+    _time_row(row, timings, 2.5 * flops, rounds=REGISTER_ROUNDS)
+    first, second = (f"{regs} registers" for regs in REGISTER_SPLITS)
+    print(f"  {_shape(row)}: " + ", ".join(f"{n} {row[n]:.0f}" for n in timings)
+          + f"; {second} / {first} {row[second] / row[first]:.3f}; dk, dv identical {row['dk, dv identical']}",
+          flush=True)
+    return row
+
+
 def _forward_backward(attention, q, k, v, do):
     """One training step's attention: the forward, then the gradients of q, k and v for the output's gradient do."""
     return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
@@ -83,6 +122,14 @@ def _measure_all(args) -> dict:
     result = {"environment": environment(), "rows": []}
     for causal, d, t, kv_heads in ROWS:
         result["rows"].append(measure_row(causal, d, t, kv_heads))
+        save_json(result, args.json)
+    return result
+
+
+def _measure_registers(args) -> dict:
+    result = {"environment": environment(), "registers": []}
+    for causal, d, t, kv_heads in REGISTER_ROWS:
+        result["registers"].append(measure_registers_row(causal, d, t, kv_heads))
         save_json(result, args.json)
     return result
 
@@ -108,6 +155,43 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def registers_report(result: dict) -> str:
+    """--registers' table as markdown."""
+    first, second = (f"{regs} registers" for regs in REGISTER_SPLITS)
+    lines = report_opening(
+        "# The dK/dV kernel's register split (08, step 8)", result["environment"],
+        __doc__.split("\n\n")[3].replace("\n", " "), "## Backward pass alone (TFLOP/s)")
+    lines += [f"| shape | {first} | {second} | SDPA cuDNN | {second} / {first} | {first} / cuDNN | {second} / cuDNN "
+              "| dk, dv identical |", "|---" * 8 + "|"]
+    lines += [f"| {_shape(r)} | {r[first]:.0f} | {r[second]:.0f} | {r['SDPA cuDNN']:.0f} | {r[second] / r[first]:.3f} | "
+              f"{r[first] / r['SDPA cuDNN']:.3f} | {r[second] / r['SDPA cuDNN']:.3f} | "
+              f"{'yes' if r['dk, dv identical'] else 'no'} |" for r in result["registers"]]
+    return "\n".join(lines) + "\n"
+
+
+def registers_plot(result: dict, path: str | None = None):
+    """--registers' figures: each split's TFLOP/s over cuDNN's, per shape."""
+    import matplotlib
+    if path:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["registers"]
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    grouped_bars(ax, [_shape(r) for r in rows], {f"consumer 1 at {regs}": [r[f"{regs} registers"] / r["SDPA cuDNN"]
+                                                                           for r in rows] for regs in REGISTER_SPLITS})
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_ylim(0.8, 1.05)                            # the splits differ by a few percent
+    plt.setp(ax.get_xticklabels(), rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("backward / cuDNN's")
+    ax.set_title(f"The dK/dV kernel's register split\n{result['environment']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
 def plot(result: dict, path: str | None = None):
     """The backward's TFLOP/s per shape, one bar per implementation."""
     import matplotlib
@@ -130,7 +214,12 @@ def plot(result: dict, path: str | None = None):
 
 
 def main(argv=None) -> int:
-    return report_main(report_parser(__doc__).parse_args(argv), _measure_all, report, plot)
+    parser = report_parser(__doc__)
+    parser.add_argument("--registers", action="store_true", help="time the dK/dV kernel's two register splits")
+    args = parser.parse_args(argv)
+    if args.registers:
+        return report_main(args, _measure_registers, registers_report, registers_plot)
+    return report_main(args, _measure_all, report, plot)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,17 @@ DQ_STAGES = 2         # K and V tiles in flight
 ONE_KERNEL_FROM_T = 4096   # from this many queries dQ added inside the dK/dV kernel beat the dQ kernel (measured)
 
 
+def dkdv_registers(d, causal, atomic_dq):
+    """The dK/dV kernel's CONSUMER_REGS. Its three warpgroups share 504 registers a thread (the launch's 168 each):
+    the producer's warp keeps 24, consumer 1 takes CONSUMER_REGS and consumer 0 the rest, 248 beside 232, 240
+    beside 240. At D = 128 ptxas wants about 248 for a consumer, so one of the two spills either way. Both 240
+    where that was measured faster (`python -m flashcourse.bench.hopper_backward --registers`,
+    benchmarks/results/2026-12-07-h100-backward-registers.md): with dQ added inside the kernel, without a mask or
+    at D = 64; under a causal mask at D = 128, whose diagonal tiles spill in consumer 0 at 240, and with the dQ
+    kernel, 232."""
+    return 240 if atomic_dq and (d == 64 or not causal) else 232
+
+
 if gluon is not None:  # the kernel's functions exist where Gluon does
     @gluon.jit
     def _dkdv_load(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, full, empty,
@@ -238,6 +249,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         ds_layout: gl.constexpr,             # shared layout of a [BLOCK_M, HALF_N] tile of P or dS
         D: gl.constexpr, BLOCK_M: gl.constexpr, HALF_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, ATOMIC_DQ: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr = 232,   # consumer 1's registers; consumer 0 keeps the 504 - 24 - these left
     ):
         # Program (key block, batch x KV head): 2 x HALF_N keys; T % BLOCK_M == 0 and S % (2 HALF_N) == 0.
         dtype: gl.constexpr = q_desc.dtype
@@ -289,7 +301,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
                              qk_scale, sm_scale, 1, HALF_N, BLOCK_M, D, STAGES, CAUSAL, ATOMIC_DQ, DEFER_DQ)),
             (_dkdv_load, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, full, empty,
                           T, kv_row, bh0, m_start, n_m, group, HALF_N, BLOCK_M, D, STAGES)),
-        ], [4, 1], [232, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
+        ], [4, 1], [CONSUMER_REGS, 24])   # consumer 1 (4 warps) takes registers from the producer (1 warp)
 
 
 if gluon is not None:  # the kernel's functions exist where Gluon does
@@ -458,13 +470,15 @@ def _dq_descriptor(dq32):
     return GluonDescriptor.from_tensor(dq32.view(-1, D), [BWD_BLOCK_M, D // 2], layout)
 
 
-def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_dq=None, fallback=True):
+def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_dq=None, fallback=True,
+                    consumer_registers=None):
     """(dq, dk, dv) of attention on a Hopper GPU, given the forward's o and lse [B, Hq, T] and the output's
     gradient do: the dK/dV kernel, then the dQ kernel, or with atomic_dq=True the dK/dV kernel alone, adding dq
     into FP32 by TMA (None: the latter from T = ONE_KERNEL_FROM_T), whose additions come in no fixed order, so
     that dq can differ in its last bits from one run to the next (atomic_dq=False gives the same bits every time).
     Shapes and dtypes as in 06's flash_attention_backward; dk and dv are summed over the query heads that share
-    them. Where the kernels do not apply, 06's flash_attention_backward; fallback=False raises instead."""
+    them. Where the kernels do not apply, 06's flash_attention_backward; fallback=False raises instead.
+    consumer_registers: the dK/dV kernel's CONSUMER_REGS (None: dkdv_registers' choice)."""
     refusal = _backward_refusal(q, k, causal, query_offset)
     if refusal is not None:
         if not fallback:
@@ -473,6 +487,8 @@ def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_
     B, Hq, T, D = q.shape
     if atomic_dq is None:
         atomic_dq = T >= ONE_KERNEL_FROM_T
+    if consumer_registers is None:
+        consumer_registers = dkdv_registers(D, causal, atomic_dq)
     Hkv, S = k.shape[1], k.shape[2]
     query_offset = S - T if query_offset is None else int(query_offset)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
@@ -490,7 +506,7 @@ def hopper_backward(q, k, v, o, lse, do, causal=True, query_offset=None, atomic_
         _descriptor(q, BWD_BLOCK_M), _descriptor(do, BWD_BLOCK_M), _descriptor(k, BWD_HALF_N),
         _descriptor(v, BWD_HALF_N), lse, delta, dq_desc, dk, dv, T, S, Hq, Hkv, query_offset, *scales, ds_layout,
         D=D, BLOCK_M=BWD_BLOCK_M, HALF_N=BWD_HALF_N, STAGES=BWD_STAGES, CAUSAL=causal, ATOMIC_DQ=atomic_dq,
-        num_warps=4)
+        CONSUMER_REGS=consumer_registers, num_warps=4)
     if atomic_dq:
         return dq32.to(q.dtype), dk, dv
     dq = torch.empty_like(q)                                             # [B, Hq, T, D]
