@@ -64,6 +64,7 @@ TRAINING_HOPPER = "flashcourse/bench/measured/training_seeds_hopper.json"  # 08,
 ARRANGEMENT = "benchmarks/results/2026-12-06-h100-backward-arrangement.json"  # 08, step 8: S^T or S, ping-pong
 TMA_DQ = "benchmarks/results/2026-12-06-h100-backward-tma-dq.json"    # 08, step 8: dQ added by TMA or atomics
 DQ_LATER = "benchmarks/results/2026-12-06-h100-backward-dq-later.json"  # 08, step 8: dQ's product a tile later
+REGISTERS = "benchmarks/results/2026-12-07-h100-backward-registers.json"  # 08, step 8: the dK/dV kernel's registers
 BACKWARD_NCU = "benchmarks/results/2026-12-06-h100-backward-ncu.json"   # 08, step 8: Nsight Compute, causal D128 8k
 FORWARD_NCU = "benchmarks/results/2026-12-06-h100-forward-ncu.json"     # 08: Nsight Compute, the forward at T = 1k, 4k
 TMA_STORE = "benchmarks/results/2026-12-06-h100-forward-tma-store.json"  # 08: o written by TMA, a scratch copy
@@ -145,6 +146,21 @@ def _step_gain(before: str, after: str) -> Callable[[Any], float]:
 def _matches(record: dict, fields: dict) -> bool:
     """Whether each of `fields` has the same value in record (a row of a results file, a profiled kernel)."""
     return all(record[key] == value for key, value in fields.items())
+
+
+def _split_ratios(data, t_from: int = 0, t_below: float = math.inf, **fields) -> list[float]:
+    """Consumer 1 at 240 registers over 232 (the --registers run), on its rows with t_from <= T < t_below whose
+    fields equal `fields`."""
+    return [r["240 registers"] / r["232 registers"] for r in data["registers"]
+            if t_from <= r["t"] < t_below and _matches(r, fields)]
+
+
+def _chosen_split_of_cudnn(data) -> list[float]:
+    """The backward with dkdv_registers' split over cuDNN's, on every row of the --registers run."""
+    from flashcourse.engine.hopper_backward import ONE_KERNEL_FROM_T, dkdv_registers
+
+    return [r[f"{dkdv_registers(r['d'], r['causal'], r['t'] >= ONE_KERNEL_FROM_T)} registers"] / r["SDPA cuDNN"]
+            for r in data["registers"]]
 
 
 def _prefill(data, t_in=None, t_at_most=math.inf, **fields) -> list[dict]:
@@ -613,6 +629,18 @@ FIGURES: dict[str, Figure] = {
                                                                        d=128)), 2),
     "hbwd.later.d128_max": Figure(DQ_LATER, lambda d: max(_best_ratios(d["scratch"], "defer", "one", causal=True,
                                                                        d=128)), 2),
+    "hbwd.regs.full_min": Figure(REGISTERS, lambda d: min(_split_ratios(d, 4096, causal=False, d=128)), 3),
+    "hbwd.regs.full_max": Figure(REGISTERS, lambda d: max(_split_ratios(d, 4096, causal=False, d=128)), 3),
+    "hbwd.regs.d64_min": Figure(REGISTERS, lambda d: min(_split_ratios(d, 4096, d=64)), 3),
+    "hbwd.regs.d64_max": Figure(REGISTERS, lambda d: max(_split_ratios(d, 4096, d=64)), 3),
+    "hbwd.regs.causal_min": Figure(REGISTERS, lambda d: min(_split_ratios(d, 4096, causal=True, d=128)), 3),
+    "hbwd.regs.causal_max": Figure(REGISTERS, lambda d: max(_split_ratios(d, 4096, causal=True, d=128)), 3),
+    "hbwd.regs.two_kernels_min": Figure(REGISTERS, lambda d: min(_split_ratios(d, 0, 4096)), 3),
+    "hbwd.regs.two_kernels_max": Figure(REGISTERS, lambda d: max(_split_ratios(d, 0, 4096)), 3),
+    "hbwd.regs.identical": Figure(REGISTERS, lambda d: sum(r["dk, dv identical"] for r in d["registers"])),
+    "hbwd.regs.rows": Figure(REGISTERS, lambda d: len(d["registers"])),
+    "hbwd.regs.of_cudnn_min": Figure(REGISTERS, lambda d: min(_chosen_split_of_cudnn(d)), 2),
+    "hbwd.regs.of_cudnn_max": Figure(REGISTERS, lambda d: max(_chosen_split_of_cudnn(d)), 2),
     "hbwd.own.min": Figure(DQ_LATER, lambda d: min(_best_ratios(d["own_keys"]["rows"], "own keys", "one kernel",
                                                                 d=128)), 2),
     "hbwd.own.max": Figure(DQ_LATER, lambda d: max(_best_ratios(d["own_keys"]["rows"], "own keys", "one kernel",
