@@ -53,8 +53,8 @@ def dkdv_registers(d, causal, atomic_dq):
     beside 240. At D = 128 ptxas wants about 248 for a consumer, so one of the two spills either way. Both 240
     where that was measured faster (`python -m flashcourse.bench.hopper_backward --registers`,
     benchmarks/results/2026-12-07-h100-backward-registers.md): with dQ added inside the kernel, without a mask or
-    at D = 64; under a causal mask at D = 128, whose diagonal tiles spill in consumer 0 at 240, and with the dQ
-    kernel, 232."""
+    at D = 64; under a causal mask at D = 128, where both consumers spill in their tile loops at 240, and with the
+    dQ kernel, 232."""
     return 240 if atomic_dq and (d == 64 or not causal) else 232
 
 
