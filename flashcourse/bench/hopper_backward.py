@@ -171,41 +171,40 @@ def registers_report(result: dict) -> str:
 
 def registers_plot(result: dict, path: str | None = None):
     """--registers' figures: each split's TFLOP/s over cuDNN's, per shape."""
-    import matplotlib
-    if path:
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def around_one(ax, plt):
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_ylim(0.8, 1.05)                        # the splits differ by a few percent
+        plt.setp(ax.get_xticklabels(), rotation=25, ha="right", fontsize=8)
 
     rows = result["registers"]
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    grouped_bars(ax, [_shape(r) for r in rows], {f"consumer 1 at {regs}": [r[f"{regs} registers"] / r["SDPA cuDNN"]
-                                                                           for r in rows] for regs in REGISTER_SPLITS})
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_ylim(0.8, 1.05)                            # the splits differ by a few percent
-    plt.setp(ax.get_xticklabels(), rotation=25, ha="right", fontsize=8)
-    ax.set_ylabel("backward / cuDNN's")
-    ax.set_title(f"The dK/dV kernel's register split\n{result['environment']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=100)
-    return fig
+    return _bars(result, [_shape(r) for r in rows],
+                 {f"consumer 1 at {regs}": [r[f"{regs} registers"] / r["SDPA cuDNN"] for r in rows]
+                  for regs in REGISTER_SPLITS},
+                 "backward / cuDNN's", "The dK/dV kernel's register split", path, width=12, touch=around_one)
 
 
 def plot(result: dict, path: str | None = None):
     """The backward's TFLOP/s per shape, one bar per implementation."""
+    rows = result["rows"]
+    return _bars(result, [_shape(r) for r in rows], {name: [r[f"{name} bwd"] for r in rows] for name in BACKWARD},
+                 "backward TFLOP/s", "The backward pass alone, bf16", path,
+                 touch=lambda ax, plt: ax.tick_params(axis="x", labelsize=8))
+
+
+def _bars(result: dict, labels, series: dict, ylabel: str, title: str, path: str | None, touch, width: float = 11):
+    """Grouped bars, one group per label and one bar per series, with the run's environment under the title;
+    touch(ax, plt) adds a figure's own details; written to path where given."""
     import matplotlib
 
     if path:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    grouped_bars(ax, [_shape(r) for r in rows], {name: [r[f"{name} bwd"] for r in rows] for name in BACKWARD})
-    ax.tick_params(axis="x", labelsize=8)
-    ax.set_ylabel("backward TFLOP/s")
-    ax.set_title(f"The backward pass alone, bf16\n{result['environment']}", fontsize=9)
+    fig, ax = plt.subplots(figsize=(width, 4.5))
+    grouped_bars(ax, labels, series)
+    touch(ax, plt)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\n{result['environment']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     if path:
