@@ -118,20 +118,15 @@ def _forward_backward(attention, q, k, v, do):
     return torch.autograd.grad(attention(q, k, v), (q, k, v), do)
 
 
-def _measure_all(args) -> dict:
-    result = {"environment": environment(), "rows": []}
-    for causal, d, t, kv_heads in ROWS:
-        result["rows"].append(measure_row(causal, d, t, kv_heads))
-        save_json(result, args.json)
-    return result
-
-
-def _measure_registers(args) -> dict:
-    result = {"environment": environment(), "registers": []}
-    for causal, d, t, kv_heads in REGISTER_ROWS:
-        result["registers"].append(measure_registers_row(causal, d, t, kv_heads))
-        save_json(result, args.json)
-    return result
+def _measure(key: str, rows: list, measure_one):
+    """A measure for report_main: measure_one(*row) for each of rows into result[key], saved after each."""
+    def measure(args) -> dict:
+        result = {"environment": environment(), key: []}
+        for row in rows:
+            result[key].append(measure_one(*row))
+            save_json(result, args.json)
+        return result
+    return measure
 
 
 def _shape(r: dict) -> str:
@@ -217,8 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--registers", action="store_true", help="time the dK/dV kernel's two register splits")
     args = parser.parse_args(argv)
     if args.registers:
-        return report_main(args, _measure_registers, registers_report, registers_plot)
-    return report_main(args, _measure_all, report, plot)
+        return report_main(args, _measure("registers", REGISTER_ROWS, measure_registers_row), registers_report,
+                           registers_plot)
+    return report_main(args, _measure("rows", ROWS, measure_row), report, plot)
 
 
 if __name__ == "__main__":
