@@ -261,6 +261,25 @@ def test_hopper_fp8_forward(persistent, pingpong, quantize_q, batch, q_heads, kv
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
                     reason="hopper_fp8_forward needs a Hopper GPU and Triton's Gluon layer")
+@pytest.mark.parametrize("d, causal", [(128, True), (64, False)])
+def test_fp8_attention_quantizes_fp16_q_in_the_kernel(d, causal):
+    """fp8_attention on fp16 inputs leaves Q to the Gluon kernel's consumers, as on bf16 ones: o in fp16 with an
+    RMS error within 1.25x (plus 1e-3) that of the Triton kernel on the same inputs prepared whole."""
+    from flashcourse.bench.fast import _inputs, max_error, rms_error
+    from flashcourse.engine.fp8 import fp8_forward, hopper_fp8_forward, prepare_fp8
+
+    q, k, v = _inputs(1, 8, 2, 1024, 1024, d, torch.float16, seed=d)
+    got = fp8_attention(q, k, v, causal=causal)
+    left = hopper_fp8_forward(prepare_fp8(q, k, v, quantize_q=False), causal=causal, out_dtype=torch.float16)
+    triton_kernel = fp8_forward(prepare_fp8(q, k, v), causal=causal, out_dtype=torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, left)
+    rms, rms_triton = rms_error(got, q, k, v, causal), rms_error(triton_kernel, q, k, v, causal)
+    assert rms < min(3e-2, 1.25 * rms_triton + 1e-3), (rms, rms_triton)
+    assert max_error(got, q, k, v, causal) < 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper_with_gluon(),
+                    reason="hopper_fp8_forward needs a Hopper GPU and Triton's Gluon layer")
 @pytest.mark.parametrize("batch, q_heads, kv_heads, t, s, d, causal", [
     (2, 8, 2, 1024, 1024, 128, True),      # GQA 4
     (1, 8, 8, 960, 1100, 64, True),        # queries at the end of a longer cache; T a multiple of 64, not of 128
