@@ -517,10 +517,10 @@ def fp8_prepare(grid=FP8_PREPARE, d=128, heads=32, rows=None, done=lambda: None,
                                                                         out_dtype=torch.bfloat16),
                  "fp8_attention": lambda: fp8_attention(q, k, v, causal=causal)}
         _time_row(row, impls, flops, rounds=rounds)
-        row["fp8_attention error"] = max_error(fp8_attention(q, k, v, causal=causal), q, k, v, causal)
-        row["FP8 Gluon kernel error"] = max_error(hopper_fp8_forward(prepared, causal=causal), q, k, v, causal)
-        row["fp8_attention RMS error"] = rms_error(fp8_attention(q, k, v, causal=causal), q, k, v, causal)
-        row["FP8 Gluon kernel RMS error"] = rms_error(hopper_fp8_forward(prepared, causal=causal), q, k, v, causal)
+        for name, out in (("fp8_attention", fp8_attention(q, k, v, causal=causal)),
+                          ("FP8 Gluon kernel", hopper_fp8_forward(prepared, causal=causal))):
+            row[f"{name} error"] = max_error(out, q, k, v, causal)
+            row[f"{name} RMS error"] = rms_error(out, q, k, v, causal)
         rows.append(row)
         done()
         print(f"  {'causal' if causal else 'not causal'} T={t:5d} B={batch:2d}: prepare {row['prepare_torch_ms']:.2f} -> "

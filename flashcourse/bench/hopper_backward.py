@@ -36,6 +36,7 @@ ROWS = [  # (causal, D, T, Hkv): 06's benchmark rows that the backward's goal na
 REGISTER_ROWS = ROWS + [(False, 128, 1024, 32), (False, 128, 4096, 32), (False, 128, 16384, 32), (True, 64, 4096, 32),
                         (False, 64, 8192, 32), (False, 128, 8192, 8)]
 REGISTER_SPLITS = (232, 240)   # consumer 1's registers in the dK/dV kernel (hopper_backward's consumer_registers)
+REGISTER_COLUMNS = tuple(f"{regs} registers" for regs in REGISTER_SPLITS)   # --registers' rows, by split
 REGISTER_ROUNDS = 5
 BACKWARD = ["06 Triton", "Gluon", "Gluon, atomic dQ", "SDPA cuDNN", "SDPA flash"]
 TRAINING = ["flash_attention_train (06)", "hopper_attention_train", "SDPA cuDNN", "SDPA flash"]
@@ -96,9 +97,9 @@ def measure_registers_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
 
     q, k, v, do, flops, row = _row_inputs(causal, d, t, kv_heads)
     o, lse = hopper_attention_lse(q, k, v, causal=causal, fallback=False)
-    timings = {f"{regs} registers": functools.partial(hopper_backward, q, k, v, o, lse, do, causal=causal,
-                                                      fallback=False, consumer_registers=regs)
-               for regs in REGISTER_SPLITS}
+    timings = {column: functools.partial(hopper_backward, q, k, v, o, lse, do, causal=causal, fallback=False,
+                                         consumer_registers=regs)
+               for column, regs in zip(REGISTER_COLUMNS, REGISTER_SPLITS)}
     grads = [fn() for fn in timings.values()]
     row["dk, dv identical"] = all(torch.equal(a, b) for a, b in zip(grads[0][1:], grads[1][1:]))
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
@@ -106,7 +107,7 @@ def measure_registers_row(causal: bool, d: int, t: int, kv_heads: int) -> dict:
     timings["SDPA cuDNN"] = functools.partial(torch.autograd.grad, sdpa(qg, kg, vg), (qg, kg, vg), do,
                                               retain_graph=True)
     _time_row(row, timings, 2.5 * flops, rounds=REGISTER_ROUNDS)
-    first, second = (f"{regs} registers" for regs in REGISTER_SPLITS)
+    first, second = REGISTER_COLUMNS
     print(f"  {_shape(row)}: " + ", ".join(f"{n} {row[n]:.0f}" for n in timings)
           + f"; {second} / {first} {row[second] / row[first]:.3f}; dk, dv identical {row['dk, dv identical']}",
           flush=True)
@@ -152,7 +153,7 @@ def report(result: dict) -> str:
 
 def registers_report(result: dict) -> str:
     """--registers' table as markdown."""
-    first, second = (f"{regs} registers" for regs in REGISTER_SPLITS)
+    first, second = REGISTER_COLUMNS
     lines = report_opening(
         "# The dK/dV kernel's register split (08, step 8)", result["environment"],
         __doc__.split("\n\n")[3].replace("\n", " "), "## Backward pass alone (TFLOP/s)")
@@ -173,8 +174,8 @@ def registers_plot(result: dict, path: str | None = None):
 
     rows = result["registers"]
     return _bars(result, [_shape(r) for r in rows],
-                 {f"consumer 1 at {regs}": [r[f"{regs} registers"] / r["SDPA cuDNN"] for r in rows]
-                  for regs in REGISTER_SPLITS},
+                 {f"consumer 1 at {regs}": [r[column] / r["SDPA cuDNN"] for r in rows]
+                  for column, regs in zip(REGISTER_COLUMNS, REGISTER_SPLITS)},
                  "backward / cuDNN's", "The dK/dV kernel's register split", path, width=12, touch=around_one)
 
 
