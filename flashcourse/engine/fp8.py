@@ -362,7 +362,7 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
         return step5.GluonDescriptor.from_tensor(x, block, layout)
 
     q_block = [step5.HOPPER_BLOCK_M // 2, D]                            # one consumer's rows
-    q_dtype = (gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16) if in_kernel else gl.float8e4nv
+    q_dtype = step5.gluon_dtype(q.dtype) if in_kernel else gl.float8e4nv
     q_desc = descriptor(q.view(B * Hq * T, D), q_block, q_dtype)
     k_desc = descriptor(k8.view(B * Hkv * S, D), [step5.HOPPER_BLOCK_N, D])
     vt_desc = descriptor(inputs.v_t.view(B * Hkv * D, -1), [D, step5.HOPPER_BLOCK_N])   # Vᵀ [B*Hkv*D, S16]

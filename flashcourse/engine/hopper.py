@@ -665,6 +665,11 @@ def hopper_attention_lse(q, k, v, causal=True, query_offset=None, persistent=Non
                           store_lse=True)
 
 
+def gluon_dtype(dtype):
+    """Gluon's name for the 16-bit torch dtype of a tile: gl.bfloat16 for torch.bfloat16, else gl.float16."""
+    return gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+
+
 def _o_descriptor(o, tma_store, caller):
     """(tma_store, o's TMA descriptor or None) for o [B, Hq, T, D]: its rows as q's, in blocks of a consumer's 64.
     tma_store left None is taken wherever the copies can write o (T a multiple of 64, o in bf16 or fp16); asked
@@ -678,7 +683,7 @@ def _o_descriptor(o, tma_store, caller):
     if not tma_store:
         return False, None
     block = [HOPPER_BLOCK_M // 2, D]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if o.dtype == torch.bfloat16 else gl.float16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, gluon_dtype(o.dtype))
     return True, GluonDescriptor.from_tensor(o.view(B * Hq * T, D), block, layout)
 
 
@@ -701,7 +706,7 @@ def _hopper_launch(q, k, v, causal, query_offset, persistent, pingpong, consumer
     o = torch.empty_like(q)
     tma_store, o_desc = _o_descriptor(o, tma_store, "hopper_attention")
     lse = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32) if store_lse else None  # [B, Hq, T]
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    dtype = gluon_dtype(q.dtype)
     q_layout = gl.NVMMASharedLayout.get_default_for([HOPPER_BLOCK_M // 2, D], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([HOPPER_BLOCK_N, D], dtype)
     # Rows of every (batch, head) one after another: a tile that runs past S reads the next head's keys,

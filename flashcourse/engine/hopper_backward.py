@@ -454,7 +454,7 @@ def _backward_refusal(q, k, causal, query_offset):
 
 def _shared_layout(shape, dtype):
     """The shared-memory layout wgmma reads for a tile of `shape` in bf16 or fp16 (a torch dtype)."""
-    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for(shape, step5.gluon_dtype(dtype))
 
 
 def _descriptor(x, rows):
