@@ -65,6 +65,7 @@ ARRANGEMENT = "benchmarks/results/2026-12-06-h100-backward-arrangement.json"  # 
 TMA_DQ = "benchmarks/results/2026-12-06-h100-backward-tma-dq.json"    # 08, step 8: dQ added by TMA or atomics
 DQ_LATER = "benchmarks/results/2026-12-06-h100-backward-dq-later.json"  # 08, step 8: dQ's product a tile later
 REGISTERS = "benchmarks/results/2026-12-07-h100-backward-registers.json"  # 08, step 8: the dK/dV kernel's registers
+P_COPY = "benchmarks/results/2026-12-07-h100-backward-p16-longest-first.json"  # 08, step 8: dS from P's copy
 BACKWARD_NCU = "benchmarks/results/2026-12-06-h100-backward-ncu.json"   # 08, step 8: Nsight Compute, causal D128 8k
 FORWARD_NCU = "benchmarks/results/2026-12-06-h100-forward-ncu.json"     # 08: Nsight Compute, the forward at T = 1k, 4k
 TMA_STORE = "benchmarks/results/2026-12-06-h100-forward-tma-store.json"  # 08: o written by TMA, a scratch copy
@@ -370,6 +371,18 @@ def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int
     return next(r for r in data["rows"] if (r["t"], r["causal"], r["d"], r["kv_heads"]) == (t, causal, d, kv_heads))
 
 
+def _p_copy_ratios(data, column: str) -> list[float]:
+    """A scratch variant of the backward over main's kernel at the same registers, each row (the P_COPY run;
+    "hb_lpt rule" takes dkdv_registers' choice, the run's "rule")."""
+    return [r["over cuDNN"][column] / r["over cuDNN"][f"hb_main {r['rule'] if column.endswith('rule') else column.split()[-1]}"]
+            for r in data["rows"]]
+
+
+def _p_copy_error_e3(data, column: str, **match) -> float:
+    """column's gradient error (x 1e3) on the P_COPY run's row matching match."""
+    return 1e3 * float(next(r for r in data["rows"] if _matches(r, match))["errors"][column])
+
+
 def _best_ratios(rows, column: str, over: str, **match) -> list[float]:
     """column's best TFLOP/s over `over`'s, each row of rows whose fields equal match's (causal=True, d=64, ...)."""
     return [r["best"][column] / r["best"][over] for r in rows if _matches(r, match)]
@@ -641,6 +654,16 @@ FIGURES: dict[str, Figure] = {
     "hbwd.regs.rows": Figure(REGISTERS, lambda d: len(d["registers"])),
     "hbwd.regs.of_cudnn_min": Figure(REGISTERS, lambda d: min(_chosen_split_of_cudnn(d)), 2),
     "hbwd.regs.of_cudnn_max": Figure(REGISTERS, lambda d: max(_chosen_split_of_cudnn(d)), 2),
+    "hbwd.p16.causal_8k": Figure(P_COPY, lambda d: _p_copy_ratios(d, "hb_p16 232")[0], 2),
+    "hbwd.p16.slower_rows": Figure(P_COPY, lambda d: sum(x < 1 for x in _p_copy_ratios(d, "hb_p16 232"))),
+    "hbwd.p16.rows": Figure(P_COPY, lambda d: len(d["rows"])),
+    "hbwd.p16.min": Figure(P_COPY, lambda d: min(_p_copy_ratios(d, "hb_p16 232")), 2),
+    "hbwd.p16.error_4k_e3": Figure(P_COPY, lambda d: _p_copy_error_e3(d, "hb_p16 232", causal=True, d=128, t=4096),
+                                   1),
+    "hbwd.p16.main_error_4k_e3": Figure(P_COPY, lambda d: _p_copy_error_e3(d, "hb_main 232", causal=True, d=128,
+                                                                           t=4096), 1),
+    "hbwd.lpt.slower_pct": Figure(P_COPY, lambda d: 100 * (1 - min(_p_copy_ratios(d, "hb_lpt rule"))), 1),
+    "hbwd.lpt.faster_pct": Figure(P_COPY, lambda d: 100 * (max(_p_copy_ratios(d, "hb_lpt rule")) - 1), 1),
     "hbwd.own.min": Figure(DQ_LATER, lambda d: min(_best_ratios(d["own_keys"]["rows"], "own keys", "one kernel",
                                                                 d=128)), 2),
     "hbwd.own.max": Figure(DQ_LATER, lambda d: max(_best_ratios(d["own_keys"]["rows"], "own keys", "one kernel",
