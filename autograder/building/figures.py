@@ -372,9 +372,10 @@ def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int
 
 
 def _p_copy_ratios(data, column: str) -> list[float]:
-    """A scratch variant of the backward over main's kernel at the same registers, each row (the P_COPY run;
-    "hb_lpt rule" takes dkdv_registers' choice, the run's "rule")."""
-    return [r["over cuDNN"][column] / r["over cuDNN"][f"hb_main {r['rule'] if column.endswith('rule') else column.split()[-1]}"]
+    """A scratch variant of the backward ("hb_p16 232", "hb_lpt rule") over main's kernel at the same registers,
+    each row of the P_COPY run ("rule": dkdv_registers' choice, the row's "rule")."""
+    registers = column.split()[-1]
+    return [r["over cuDNN"][column] / r["over cuDNN"][f"hb_main {r['rule'] if registers == 'rule' else registers}"]
             for r in data["rows"]]
 
 
