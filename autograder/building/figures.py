@@ -371,12 +371,24 @@ def _backward_row(data, t: int, causal: bool = True, d: int = 128, kv_heads: int
     return next(r for r in data["rows"] if (r["t"], r["causal"], r["d"], r["kv_heads"]) == (t, causal, d, kv_heads))
 
 
-def _p_copy_ratios(data, column: str) -> list[float]:
+def _p_copy_ratios(data, column: str, **match) -> list[float]:
     """A scratch variant of the backward ("hb_p16 232", "hb_lpt rule") over main's kernel at the same registers,
-    each row of the P_COPY run ("rule": dkdv_registers' choice, the row's "rule")."""
+    each row of the P_COPY run whose fields equal match's ("rule": dkdv_registers' choice, the row's "rule")."""
     registers = column.split()[-1]
     return [r["over cuDNN"][column] / r["over cuDNN"][f"hb_main {r['rule'] if registers == 'rule' else registers}"]
-            for r in data["rows"]]
+            for r in data["rows"] if _matches(r, match)]
+
+
+def _p_copy_loop(data, variant: str, consumer: int, loop: str) -> dict:
+    """One tile loop of the P_COPY run's sm_90 binaries: variant "hb_main" or "hb_p16", loop "diagonal" or
+    "unmasked"."""
+    return next(x for x in data["sm90_binaries"][variant] if (x["consumer"], x["loop"]) == (consumer, loop))
+
+
+def _p_copy_more_instructions(data) -> list[int]:
+    """Instructions a tile that dS from P's copy adds, each tile loop of the P_COPY run's sm_90 binaries."""
+    return [p["instructions"] - m["instructions"]
+            for m, p in zip(data["sm90_binaries"]["hb_main"], data["sm90_binaries"]["hb_p16"])]
 
 
 def _p_copy_error_e3(data, column: str, **match) -> float:
@@ -655,7 +667,12 @@ FIGURES: dict[str, Figure] = {
     "hbwd.regs.rows": Figure(REGISTERS, lambda d: len(d["registers"])),
     "hbwd.regs.of_cudnn_min": Figure(REGISTERS, lambda d: min(_chosen_split_of_cudnn(d)), 2),
     "hbwd.regs.of_cudnn_max": Figure(REGISTERS, lambda d: max(_chosen_split_of_cudnn(d)), 2),
-    "hbwd.p16.causal_8k": Figure(P_COPY, lambda d: _p_copy_ratios(d, "hb_p16 232")[0], 2),
+    "hbwd.p16.causal_8k": Figure(P_COPY, lambda d: _p_copy_ratios(d, "hb_p16 232", causal=True, d=128, t=8192,
+                                                                  hkv=32)[0], 2),
+    "hbwd.p16.spill_loads_main": Figure(P_COPY, lambda d: _p_copy_loop(d, "hb_main", 1, "unmasked")["spill loads"]),
+    "hbwd.p16.spill_loads": Figure(P_COPY, lambda d: _p_copy_loop(d, "hb_p16", 1, "unmasked")["spill loads"]),
+    "hbwd.p16.more_instructions_min": Figure(P_COPY, lambda d: min(_p_copy_more_instructions(d))),
+    "hbwd.p16.more_instructions_max": Figure(P_COPY, lambda d: max(_p_copy_more_instructions(d))),
     "hbwd.p16.slower_rows": Figure(P_COPY, lambda d: sum(x < 1 for x in _p_copy_ratios(d, "hb_p16 232"))),
     "hbwd.p16.rows": Figure(P_COPY, lambda d: len(d["rows"])),
     "hbwd.p16.min": Figure(P_COPY, lambda d: min(_p_copy_ratios(d, "hb_p16 232")), 2),
