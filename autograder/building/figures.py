@@ -152,15 +152,19 @@ def _matches(record: dict, fields: dict) -> bool:
 def _split_ratios(data, t_from: int = 0, t_below: float = math.inf, **fields) -> list[float]:
     """Consumer 1 at 240 registers over 232 (the --registers run), on its rows with t_from <= T < t_below whose
     fields equal `fields`."""
-    return [r["240 registers"] / r["232 registers"] for r in data["registers"]
-            if t_from <= r["t"] < t_below and _matches(r, fields)]
+    from flashcourse.bench.hopper_backward import REGISTER_COLUMNS
+
+    fewer, more = REGISTER_COLUMNS
+    return [r[more] / r[fewer] for r in data["registers"] if t_from <= r["t"] < t_below and _matches(r, fields)]
 
 
 def _chosen_split_of_cudnn(data) -> list[float]:
     """The backward with dkdv_registers' split over cuDNN's, on every row of the --registers run."""
+    from flashcourse.bench.hopper_backward import REGISTER_COLUMNS, REGISTER_SPLITS
     from flashcourse.engine.hopper_backward import ONE_KERNEL_FROM_T, dkdv_registers
 
-    return [r[f"{dkdv_registers(r['d'], r['causal'], r['t'] >= ONE_KERNEL_FROM_T)} registers"] / r["SDPA cuDNN"]
+    column = dict(zip(REGISTER_SPLITS, REGISTER_COLUMNS))
+    return [r[column[dkdv_registers(r["d"], r["causal"], r["t"] >= ONE_KERNEL_FROM_T)]] / r["SDPA cuDNN"]
             for r in data["registers"]]
 
 
