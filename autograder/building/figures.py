@@ -53,6 +53,9 @@ FP8_SCHEDULE = "flashcourse/bench/measured/fp8_schedule.json"    # 08: FP8 with 
 FP8_SCHEDULE_END = "benchmarks/results/2026-12-06-h100-fp8-schedule-end-to-end.json"  # 08: fp8_attention with it
 FP8_NCU = "benchmarks/results/2026-12-06-h100-fp8-ncu.json"   # 08: Nsight Compute, hopper_fp8_forward beside bf16
 FP8_Q_IN_KERNEL = "benchmarks/results/2026-12-07-h100-fp8-q-in-kernel.json"  # 08: FP8 with Q quantized in the kernel
+FP8_RUN_A = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-a.json"  # 08: the same kernels, a later run
+FP8_RUN_B = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-b.json"  # 08: and the run after it
+PV_FIRST_SWAPPED = "benchmarks/results/2026-12-07-h100-fp8-pv-first-backward-swapped-d64.json"  # 08: two variants
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
 CONSUMERS_SPLIT = "benchmarks/results/2026-12-06-h100-hopper-consumers-after-split.json"  # 08: the same, later
 CONSUMERS_SIX = "benchmarks/results/2026-12-06-h100-hopper-consumers-six-rounds.json"  # 08: the same, six rounds
@@ -381,6 +384,21 @@ def _p_copy_ratios(data, column: str, **match) -> list[float]:
     registers = column.split()[-1]
     return [r["over cuDNN"][column] / r["over cuDNN"][f"hb_main {r['rule'] if registers == 'rule' else registers}"]
             for r in data["rows"] if _matches(r, match)]
+
+
+def _pv_first_ratios(data, **match) -> list[float]:
+    """FP8's last P V issued first over fp8_attention, each row of the PV_FIRST_SWAPPED runs whose fields equal match's."""
+    return [r["pv first"] / r["fp8_attention"] for r in data["pv_first"] if _matches(r, match)]
+
+
+def _swapped_over_kernel(data, t_from: int = 0) -> list[float]:
+    """The backward's swapped products at their better register split over hopper_backward at its better split, each
+    row of the PV_FIRST_SWAPPED run with T >= t_from."""
+    def best(row, name):
+        return max(v for k, v in row.items() if k.startswith(f"{name}, ") and k.endswith("over cuDNN"))
+
+    return [best(r, "swapped products") / best(r, "hopper_backward") for r in data["swapped_products"]
+            if r["t"] >= t_from]
 
 
 def _p_copy_loop(data, variant: str, consumer: int, loop: str) -> dict:
@@ -916,6 +934,15 @@ FIGURES: dict[str, Figure] = {
                                                                   < r["FP8 Gluon kernel RMS error"]
                                                                   for r in d["fp8_prepare"])),
     "gap.fp8.qq.rows": Figure(FP8_Q_IN_KERNEL, lambda d: len(d["fp8_prepare"])),
+    "gap.fp8.run_a.end_to_end_4k": Figure(FP8_RUN_A, lambda d: _end_to_end(d, 4096), 2),
+    "gap.fp8.run_b.end_to_end_4k": Figure(FP8_RUN_B, lambda d: _end_to_end(d, 4096), 2),
+    "gap.fp8.run_a.end_to_end_max": Figure(FP8_RUN_A, lambda d: max(_over(d, "fp8_attention", "hopper_attention")), 2),
+    "gap.fp8.pv_first.slower_4k": Figure(PV_FIRST_SWAPPED, lambda d: sum(x < 1 for x in _pv_first_ratios(d, t=4096))),
+    "gap.fp8.pv_first.runs": Figure(PV_FIRST_SWAPPED, lambda d: len(_pv_first_ratios(d, causal=True, t=4096))),
+    "gap.fp8.pv_first.min_4k": Figure(PV_FIRST_SWAPPED, lambda d: min(_pv_first_ratios(d, t=4096)), 3),
+    "gap.fp8.pv_first.max_4k": Figure(PV_FIRST_SWAPPED, lambda d: max(_pv_first_ratios(d, t=4096)), 3),
+    "hbwd.swap64.min": Figure(PV_FIRST_SWAPPED, lambda d: min(_swapped_over_kernel(d, 4096)), 2),
+    "hbwd.swap64.max": Figure(PV_FIRST_SWAPPED, lambda d: max(_swapped_over_kernel(d, 4096)), 2),
     "gap.fp8.schedule.gain_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
     "gap.fp8.schedule.gain_max": Figure(FP8_SCHEDULE, lambda d: max(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
     "gap.fp8.schedule.over_bf16_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_BF16)), 2),
