@@ -55,6 +55,7 @@ FP8_NCU = "benchmarks/results/2026-12-06-h100-fp8-ncu.json"   # 08: Nsight Compu
 FP8_Q_IN_KERNEL = "benchmarks/results/2026-12-07-h100-fp8-q-in-kernel.json"  # 08: FP8 with Q quantized in the kernel
 FP8_RUN_A = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-a.json"  # 08: the same kernels, a later run
 FP8_RUN_B = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-b.json"  # 08: and the run after it
+FP8_SASS = "benchmarks/results/2026-12-07-h100-fp8-sass-stalls.json"  # 08: FP8 and bf16 by SASS opcode
 PV_FIRST_SWAPPED = "benchmarks/results/2026-12-07-h100-fp8-pv-first-backward-swapped-d64.json"  # 08: two variants
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
 CONSUMERS_SPLIT = "benchmarks/results/2026-12-06-h100-hopper-consumers-after-split.json"  # 08: the same, later
@@ -400,6 +401,12 @@ def _swapped_over_kernel(data, t_from: int = 0) -> list[float]:
 
     return [best(r, "swapped products") / best(r, "hopper_backward") for r in data["swapped_products"]
             if r["t"] >= t_from]
+
+
+def _per_exponential(data, kernel: int) -> float:
+    """Instructions executed per exponential (MUFU) by kernel 0 (FP8) or 1 (bf16) of the FP8_SASS profile."""
+    executed = data["kernels"][kernel]["instructions executed"]
+    return sum(executed.values()) / executed["MUFU"]
 
 
 def _p_copy_loop(data, variant: str, consumer: int, loop: str) -> dict:
@@ -942,6 +949,8 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.pv_first.runs": Figure(PV_FIRST_SWAPPED, lambda d: len(_pv_first_ratios(d, t=4096))),
     "gap.fp8.pv_first.min_4k": Figure(PV_FIRST_SWAPPED, lambda d: min(_pv_first_ratios(d, t=4096)), 3),
     "gap.fp8.pv_first.max_4k": Figure(PV_FIRST_SWAPPED, lambda d: max(_pv_first_ratios(d, t=4096)), 3),
+    "gap.fp8.sass.per_score": Figure(FP8_SASS, lambda d: _per_exponential(d, 0), 2),
+    "gap.fp8.sass.bf16_per_score": Figure(FP8_SASS, lambda d: _per_exponential(d, 1), 2),
     "hbwd.swap64.min": Figure(PV_FIRST_SWAPPED, lambda d: min(_swapped_over_kernel(d, 4096)), 2),
     "hbwd.swap64.max": Figure(PV_FIRST_SWAPPED, lambda d: max(_swapped_over_kernel(d, 4096)), 2),
     "gap.fp8.schedule.gain_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
