@@ -56,6 +56,7 @@ FP8_Q_IN_KERNEL = "benchmarks/results/2026-12-07-h100-fp8-q-in-kernel.json"  # 0
 FP8_RUN_A = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-a.json"  # 08: the same kernels, a later run
 FP8_RUN_B = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-b.json"  # 08: and the run after it
 FP8_SASS = "benchmarks/results/2026-12-07-h100-fp8-sass-stalls.json"  # 08: FP8 and bf16 by SASS opcode
+FP8_RELABELLED = "benchmarks/results/2026-12-07-h100-fp8-relabelled-keys.json"  # 08: P's keys relabelled
 PV_FIRST_SWAPPED = "benchmarks/results/2026-12-07-h100-fp8-pv-first-backward-swapped-d64.json"  # 08: two variants
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
 CONSUMERS_SPLIT = "benchmarks/results/2026-12-06-h100-hopper-consumers-after-split.json"  # 08: the same, later
@@ -407,6 +408,12 @@ def _per_exponential(data, kernel: int) -> float:
     """Instructions executed per exponential (MUFU) by kernel 0 (FP8) or 1 (bf16) of the FP8_SASS profile."""
     executed = data["kernels"][kernel]["instructions executed"]
     return sum(executed.values()) / executed["MUFU"]
+
+
+def _relabelled_over(data, column: str, **match) -> list[float]:
+    """FP8 with P's keys relabelled over `column` ("kernel", "kernel, no overlap", "hopper_attention"), each row of
+    each FP8_RELABELLED run whose fields equal match's."""
+    return [r["relabelled, no overlap"] / r[column] for run in data["runs"] for r in run if _matches(r, match)]
 
 
 def _p_copy_loop(data, variant: str, consumer: int, loop: str) -> dict:
@@ -951,6 +958,12 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.pv_first.max_4k": Figure(PV_FIRST_SWAPPED, lambda d: max(_pv_first_ratios(d, t=4096)), 3),
     "gap.fp8.sass.per_score": Figure(FP8_SASS, lambda d: _per_exponential(d, 0), 2),
     "gap.fp8.sass.bf16_per_score": Figure(FP8_SASS, lambda d: _per_exponential(d, 1), 2),
+    "gap.fp8.relabel.runs": Figure(FP8_RELABELLED, lambda d: len(d["runs"])),
+    "gap.fp8.relabel.causal_8k_min": Figure(FP8_RELABELLED, lambda d: min(_relabelled_over(d, "kernel", causal=True,
+                                                                                             t=8192)), 2),
+    "gap.fp8.relabel.causal_8k_max": Figure(FP8_RELABELLED, lambda d: max(_relabelled_over(d, "kernel", causal=True,
+                                                                                             t=8192)), 2),
+    "gap.fp8.relabel.over_hopper_max": Figure(FP8_RELABELLED, lambda d: max(_relabelled_over(d, "hopper_attention")), 2),
     "hbwd.swap64.min": Figure(PV_FIRST_SWAPPED, lambda d: min(_swapped_over_kernel(d, 4096)), 2),
     "hbwd.swap64.max": Figure(PV_FIRST_SWAPPED, lambda d: max(_swapped_over_kernel(d, 4096)), 2),
     "gap.fp8.schedule.gain_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
