@@ -830,16 +830,15 @@ def test_dkdv_registers_follow_the_measured_rule():
     apart, the faster one, for the dQ path hopper_backward takes at that length."""
     import json
 
-    from flashcourse.bench.hopper_backward import REGISTER_COLUMNS, REGISTER_SPLITS
+    from flashcourse.bench.hopper_backward import REGISTER_COLUMNS, REGISTER_SPLITS, register_column
     from flashcourse.engine.hopper_backward import ONE_KERNEL_FROM_T, dkdv_registers
 
     rows = json.loads(open("benchmarks/results/2026-12-07-h100-backward-registers.json").read())["registers"]
     fewer, more = REGISTER_COLUMNS
-    column = dict(zip(REGISTER_SPLITS, REGISTER_COLUMNS))
     decided = [r for r in rows if abs(r[more] / r[fewer] - 1) > 0.02]
     assert len(decided) >= 4
     for r in decided:
-        faster = max(REGISTER_SPLITS, key=lambda regs: r[column[regs]])
+        faster = max(REGISTER_SPLITS, key=lambda regs: r[register_column(regs)])
         assert dkdv_registers(r["d"], r["causal"], r["t"] >= ONE_KERNEL_FROM_T) == faster, r
 
 

@@ -165,11 +165,10 @@ def _split_ratios(data, t_from: int = 0, t_below: float = math.inf, **fields) ->
 
 def _chosen_split_of_cudnn(data) -> list[float]:
     """The backward with dkdv_registers' split over cuDNN's, on every row of the --registers run."""
-    from flashcourse.bench.hopper_backward import REGISTER_COLUMNS, REGISTER_SPLITS
+    from flashcourse.bench.hopper_backward import register_column
     from flashcourse.engine.hopper_backward import ONE_KERNEL_FROM_T, dkdv_registers
 
-    column = dict(zip(REGISTER_SPLITS, REGISTER_COLUMNS))
-    return [r[column[dkdv_registers(r["d"], r["causal"], r["t"] >= ONE_KERNEL_FROM_T)]] / r["SDPA cuDNN"]
+    return [r[register_column(dkdv_registers(r["d"], r["causal"], r["t"] >= ONE_KERNEL_FROM_T))] / r["SDPA cuDNN"]
             for r in data["registers"]]
 
 
@@ -272,10 +271,10 @@ def _q_prepared_whole(data, t: int, causal: bool = True) -> float:
     return flops / ms / 1e9 / row["hopper_attention"]
 
 
-def _over(data, name: str, under: str, rows: str = "fp8_prepare") -> list[float]:
-    """`name`'s TFLOP/s over `under`'s, at every row of data[rows] (by default the --fp8-prepare rows, where
-    "fp8_attention" is end to end, from bf16)."""
-    return [r[name] / r[under] for r in data[rows]]
+def _over(data, name: str, under: str, rows: str = "fp8_prepare", **match) -> list[float]:
+    """`name`'s TFLOP/s over `under`'s, at every row of data[rows] whose fields equal match's (by default the
+    --fp8-prepare rows, where "fp8_attention" is end to end, from bf16)."""
+    return [r[name] / r[under] for r in data[rows] if _matches(r, match)]
 
 
 def _groups_over_fast(data) -> list[float]:
@@ -388,12 +387,6 @@ def _p_copy_ratios(data, column: str, **match) -> list[float]:
             for r in data["rows"] if _matches(r, match)]
 
 
-def _pv_first_ratios(data, **match) -> list[float]:
-    """FP8's last P V issued first over fp8_attention, each row of the PV_FIRST_SWAPPED runs whose fields equal
-    match's."""
-    return [r["pv first"] / r["fp8_attention"] for r in data["pv_first"] if _matches(r, match)]
-
-
 def _swapped_over_kernel(data, t_from: int = 0) -> list[float]:
     """The backward's swapped products at their better register split over hopper_backward at its better split, each
     row of the PV_FIRST_SWAPPED run with T >= t_from."""
@@ -442,6 +435,7 @@ def _best_ratios(rows, column: str, over: str, **match) -> list[float]:
 _FP8_Q_LEFT_OVER_WHOLE = ("FP8 Gluon kernel, Q in bf16", "FP8 Gluon kernel")
 
 # --fp8-schedule's default column over step 5's choice, over bf16, over cuDNN (its rows: "fp8_schedule")
+_PV_FIRST_OVER_FP8 = ("pv first", "fp8_attention", "pv_first")   # PV_FIRST_SWAPPED: the last P V first
 _FP8_DEFAULT_OVER_STEP_5 = ("+ o by TMA", "FP8, step 5's choice", "fp8_schedule")
 _FP8_DEFAULT_OVER_BF16 = ("+ o by TMA", "hopper_attention", "fp8_schedule")
 _FP8_DEFAULT_OVER_CUDNN = ("+ o by TMA", "SDPA cuDNN", "fp8_schedule")
@@ -952,10 +946,11 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.run_a.end_to_end_4k": Figure(FP8_RUN_A, lambda d: _end_to_end(d, 4096), 2),
     "gap.fp8.run_b.end_to_end_4k": Figure(FP8_RUN_B, lambda d: _end_to_end(d, 4096), 2),
     "gap.fp8.run_a.end_to_end_max": Figure(FP8_RUN_A, lambda d: max(_over(d, "fp8_attention", "hopper_attention")), 2),
-    "gap.fp8.pv_first.slower_4k": Figure(PV_FIRST_SWAPPED, lambda d: sum(x < 1 for x in _pv_first_ratios(d, t=4096))),
-    "gap.fp8.pv_first.runs": Figure(PV_FIRST_SWAPPED, lambda d: len(_pv_first_ratios(d, t=4096))),
-    "gap.fp8.pv_first.min_4k": Figure(PV_FIRST_SWAPPED, lambda d: min(_pv_first_ratios(d, t=4096)), 3),
-    "gap.fp8.pv_first.max_4k": Figure(PV_FIRST_SWAPPED, lambda d: max(_pv_first_ratios(d, t=4096)), 3),
+    "gap.fp8.pv_first.slower_4k": Figure(PV_FIRST_SWAPPED,
+                                         lambda d: sum(x < 1 for x in _over(d, *_PV_FIRST_OVER_FP8, t=4096))),
+    "gap.fp8.pv_first.runs": Figure(PV_FIRST_SWAPPED, lambda d: len(_over(d, *_PV_FIRST_OVER_FP8, t=4096))),
+    "gap.fp8.pv_first.min_4k": Figure(PV_FIRST_SWAPPED, lambda d: min(_over(d, *_PV_FIRST_OVER_FP8, t=4096)), 3),
+    "gap.fp8.pv_first.max_4k": Figure(PV_FIRST_SWAPPED, lambda d: max(_over(d, *_PV_FIRST_OVER_FP8, t=4096)), 3),
     "gap.fp8.sass.per_score": Figure(FP8_SASS, lambda d: _per_exponential(d, 0), 2),
     "gap.fp8.sass.bf16_per_score": Figure(FP8_SASS, lambda d: _per_exponential(d, 1), 2),
     "gap.fp8.relabel.runs": Figure(FP8_RELABELLED, lambda d: len(d["overlap_runs"])),

@@ -36,7 +36,14 @@ ROWS = [  # (causal, D, T, Hkv): 06's benchmark rows that the backward's goal na
 REGISTER_ROWS = ROWS + [(False, 128, 1024, 32), (False, 128, 4096, 32), (False, 128, 16384, 32), (True, 64, 4096, 32),
                         (False, 64, 8192, 32), (False, 128, 8192, 8)]
 REGISTER_SPLITS = (232, 240)   # consumer 1's registers in the dK/dV kernel (hopper_backward's consumer_registers)
-REGISTER_COLUMNS = tuple(f"{regs} registers" for regs in REGISTER_SPLITS)   # --registers' rows, by split
+
+
+def register_column(regs: int) -> str:
+    """The --registers run's column of the backward with consumer 1 at `regs` registers."""
+    return f"{regs} registers"
+
+
+REGISTER_COLUMNS = tuple(map(register_column, REGISTER_SPLITS))   # --registers' rows, by split
 REGISTER_ROUNDS = 5
 BACKWARD = ["06 Triton", "Gluon", "Gluon, atomic dQ", "SDPA cuDNN", "SDPA flash"]
 TRAINING = ["flash_attention_train (06)", "hopper_attention_train", "SDPA cuDNN", "SDPA flash"]
