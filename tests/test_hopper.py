@@ -115,8 +115,8 @@ def test_quantize_fp8_rounds_as_torch():
 def test_quantize_fp8_matches_quantize_blocks(dtype, block):
     """The one-pass kernel gives quantize_blocks's bytes and scales bit for bit: N = 45 (no block divides it), a block
     of zeros (scale 1), heads 1000 times apart, a block of 24 rows (not a power of two); transposed, Vᵀ [B, H, D, 48]
-    holds the same bytes and zeros in its padding columns."""
-    from flashcourse.engine.fp8 import quantize_blocks, quantize_fp8
+    holds the same bytes and zeros in its padding columns, and relabelled, relabel_keys's order of them."""
+    from flashcourse.engine.fp8 import quantize_blocks, quantize_fp8, relabel_keys
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 45, 32, generator=gen) * torch.tensor([1.0, 30.0, 0.03])[None, :, None, None]
@@ -133,20 +133,46 @@ def test_quantize_fp8_matches_quantize_blocks(dtype, block):
     assert torch.equal(v_t[..., :45].cpu().view(torch.uint8), want8.transpose(2, 3).view(torch.uint8))
     assert not v_t[..., 45:].cpu().view(torch.uint8).any(), "Vᵀ's padding columns must be zero"
     assert torch.equal(v_scales.cpu(), want_scales)
+    relabelled, _ = quantize_fp8(x.to(RT.device), block, transpose=True, relabel=True)
+    assert torch.equal(relabelled.cpu().view(torch.uint8), relabel_keys(v_t).cpu().view(torch.uint8)), \
+        "quantize_fp8(..., relabel=True) must write relabel_keys's order"
 
 
 @pytest.mark.parametrize("rotate", [False, True])
 def test_prepare_fp8_matches_its_pytorch_path(rotate):
     """prepare_fp8 (quantize_fp8 three times) holds the same bytes and scales as quantize_blocks three times and a
-    transposed, padded copy of V, GQA, T = 45 and S = 51, with and without the rotation of Q and K."""
+    transposed, padded copy of V, GQA, T = 45 and S = 51, with and without the rotation of Q and K; with relabel,
+    Vᵀ's keys in relabel_keys's order."""
     from flashcourse.bench.fast import fp8_inputs_equal, prepare_fp8_torch
-    from flashcourse.engine.fp8 import prepare_fp8, random_rotation
+    from flashcourse.engine.fp8 import prepare_fp8, random_rotation, relabel_keys
 
     rotation = random_rotation(32, seed=0, device=RT.device) if rotate else None
     got = prepare_fp8(ODD.q, ODD.k, ODD.v, rotation)
     want = prepare_fp8_torch(ODD.q, ODD.k, ODD.v, rotation)
     assert got.v_t.shape == want.v_t.shape == (2, 2, 32, 64) and got.rotated == rotate
     assert fp8_inputs_equal(got, want)
+    relabelled = prepare_fp8(ODD.q, ODD.k, ODD.v, rotation, relabel=True)
+    assert relabelled.relabelled and not got.relabelled
+    assert torch.equal(relabelled.v_t.view(torch.uint8), relabel_keys(got.v_t).view(torch.uint8))
+
+
+def test_relabel_keys_is_the_operand_order():
+    """relabel_keys moves key 8 h + 2 t + lo of each 16 to column 4 t + 2 h + lo (the order in which a thread of the
+    8-bit wgmma's P operand holds its values), across batch and heads, and the padding's zeros stay zeros; refused
+    where it does not apply (relabelled Vᵀ in fp8_forward, relabel without the transpose)."""
+    from flashcourse.engine.fp8 import FP8, fp8_forward, prepare_fp8, quantize_fp8, relabel_keys
+
+    v_t = torch.arange(48, dtype=torch.uint8).expand(2, 3, 4, 48).contiguous().view(FP8)  # key n holds the byte n
+    got = relabel_keys(v_t).view(torch.uint8)                            # [B, H, D, S16]
+    column = torch.arange(48)
+    h, t, lo = (column % 16) // 2 % 2, (column % 16) // 4, column % 2  # column 4 t + 2 h + lo within its 16
+    want = (column // 16 * 16 + 8 * h + 2 * t + lo).to(torch.uint8)
+    assert torch.equal(got, want.expand(2, 3, 4, 48)), got[0, 0, 0]
+    assert got[0, 0, 0, :16].tolist() == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    with pytest.raises(ValueError, match="transpose=True"):
+        quantize_fp8(ODD.v, 16, relabel=True)
+    with pytest.raises(ValueError, match="relabel=False"):
+        fp8_forward(prepare_fp8(ODD.q, ODD.k, ODD.v, relabel=True))
 
 
 def test_rotation_spreads_an_outlier():
@@ -568,7 +594,7 @@ def loops_without_selects(cubin):
 """
 
 SM90_COMPILE = """
-import json, os, re, subprocess, sys
+import contextlib, io, json, os, re, subprocess, sys
 
 import torch
 import triton  # imported before the course's runtime turns the interpreter on (there is no GPU here), so that
@@ -596,18 +622,20 @@ for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_sto
     k_desc = descriptor(torch.empty(256, d, dtype=torch_dtype), [fk.HOPPER_BLOCK_N, d], dtype)
     v_desc = descriptor(torch.empty(d, 256, dtype=torch_dtype), [d, fk.HOPPER_BLOCK_N], dtype) if fp8 else k_desc
     scales = torch.empty(2, 2)
-    compiled = fk.hopper_fwd_kernel.warmup(
-        q_desc, k_desc, v_desc, torch.empty(1, 2, 256, d, dtype=torch.bfloat16), torch.empty(1, 2, 256), scales,
-        scales, scales, torch.zeros(1, dtype=torch.int32), 256, 256, 2, 1, 2, 0, 2, 2, 0.1, D=d,
-        BLOCK_N=fk.HOPPER_BLOCK_N, STAGES=3 if fp8 else fk.HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
-        PERSISTENT=persistent, STORE_LSE=store_lse, FP8=fp8, P_SHIFT=8 if fp8 else 0, CONSUMERS=consumers,
-        OVERLAP=overlap, TMA_STORE=tma_store,
-        o_desc=descriptor(torch.empty(512, d, dtype=torch.bfloat16), [64, d], gl.bfloat16) if tma_store else None,
-        QQ=qq, q8_layout=gl.NVMMASharedLayout.get_default_for([64, d], gl.float8e4nv) if qq else None,
-        num_warps=4, grid=(1,))
+    with contextlib.redirect_stdout(io.StringIO()) as ptxas_log:   # TRITON_DUMP_PTXAS_LOG prints it
+        compiled = fk.hopper_fwd_kernel.warmup(
+            q_desc, k_desc, v_desc, torch.empty(1, 2, 256, d, dtype=torch.bfloat16), torch.empty(1, 2, 256), scales,
+            scales, scales, torch.zeros(1, dtype=torch.int32), 256, 256, 2, 1, 2, 0, 2, 2, 0.1, D=d,
+            BLOCK_N=fk.HOPPER_BLOCK_N, STAGES=3 if fp8 else fk.HOPPER_STAGES, CAUSAL=causal, PINGPONG=pingpong,
+            PERSISTENT=persistent, STORE_LSE=store_lse, FP8=fp8, P_SHIFT=8 if fp8 else 0, CONSUMERS=consumers,
+            OVERLAP=overlap, TMA_STORE=tma_store,
+            o_desc=descriptor(torch.empty(512, d, dtype=torch.bfloat16), [64, d], gl.bfloat16) if tma_store else None,
+            QQ=qq, q8_layout=gl.NVMMASharedLayout.get_default_for([64, d], gl.float8e4nv) if qq else None,
+            num_warps=4, grid=(1,))
     ptx = compiled.asm["ptx"]
     results.append({"cubin": len(compiled.asm["cubin"]), "wgmma": ptx.count("wgmma.mma_async"),
                     "e4m3": ptx.count(".e4m3.e4m3"), "shared": compiled.metadata.shared,
+                    "ptxas_log": "registers" in ptxas_log.getvalue(), "serialized": "C7512" in ptxas_log.getvalue(),
                     "tma_stores": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
                     "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                                                      ptx)}),
@@ -623,7 +651,8 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     there), fits in shared memory and gives its consumers 232 registers, or 160 when there are three; with
     the overlap across items too, and o written by TMA copies (and only there), the overlap's two Q buffers and
     o's buffers side by side being the most shared memory any schedule asks for, and with FP8's Q quantized in the
-    kernel (QQ), whose bf16 Q buffers and e4m3 copies take more than the same schedule's e4m3 Q. In bf16 without
+    kernel (QQ), whose bf16 Q buffers and e4m3 copies take more than the same schedule's e4m3 Q. Without the overlap
+    ptxas does not serialize the products for want of registers (its warning C7512). In bf16 without
     the overlap its SASS holds a tile loop with no select (the tiles every row sees whole, without mask code);
     under the overlap, where one loop decides each tile's mask, none."""
     import json
@@ -643,7 +672,8 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         (128, True, False, True, False, False, 2, True, True, False),
         (128, True, False, True, False, True, 2, True, True, True),    # the fourth, Q quantized in the kernel
         (64, False, True, False, False, True, 2, False, False, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path),
+                                                                             "TRITON_DUMP_PTXAS_LOG": "1"}
     done = subprocess.run([sys.executable, "-c", SM90_COMPILE, json.dumps(configs)], capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -656,6 +686,10 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         assert (result["e4m3"] == result["wgmma"]) if config[5] else not result["e4m3"], (config, result)
         assert result["shared"] <= 227 * 1024, (config, result)
         assert (result["tma_stores"] > 0) == config[8], (config, result)
+        # ptxas does not serialize the products for want of registers (C7512) without the overlap; with it, Triton
+        # 3.6's ptxas does not either (FP8's P relabelled at an item's end through its own layout), but Triton 3.9's
+        # serializes every overlapped schedule, so there it is not asserted
+        assert result["ptxas_log"] and (config[7] or not result["serialized"]), (config, result)
         consumer_registers, other = (160, 232) if config[6] == 3 else (232, 160)
         assert consumer_registers in result["registers"] and other not in result["registers"], (config, result)
         # without the overlap, the tiles every row sees whole run in a loop of their own with no mask code; under

@@ -244,14 +244,17 @@ def test_hopper_fp8_forward(persistent, pingpong, quantize_q, batch, q_heads, kv
     """Step 5's schedule with FP8=True, on the same prepared K and V as the Triton FP8 kernel, Q quantized by
     prepare_fp8 or by the kernel's consumers (quantize_q=False): against FP32, an RMS error within 1.25x the
     Triton kernel's (plus 1e-3) and below 3e-2, max error below 0.5; a scale or a unit of acc applied to the wrong
-    tile or row would be far outside."""
+    tile or row, or a key of P met by another key's row of V (Vᵀ's keys relabelled unlike P's), would be far
+    outside. Inputs prepared for the Triton kernel (keys in order) are refused by name."""
     from flashcourse.bench.fast import _inputs, max_error, rms_error
     from flashcourse.engine.fp8 import fp8_forward, hopper_fp8_forward, prepare_fp8
 
     q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16, seed=t + s)
     inputs = prepare_fp8(q, k, v)
-    got = hopper_fp8_forward(prepare_fp8(q, k, v, quantize_q=quantize_q), causal=causal, persistent=persistent,
-                             pingpong=pingpong)
+    got = hopper_fp8_forward(prepare_fp8(q, k, v, quantize_q=quantize_q, relabel=True), causal=causal,
+                             persistent=persistent, pingpong=pingpong)
+    with pytest.raises(ValueError, match="relabel=True"):
+        hopper_fp8_forward(inputs, causal=causal)
     triton_kernel = fp8_forward(inputs, causal=causal, out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     rms, rms_triton = rms_error(got, q, k, v, causal), rms_error(triton_kernel, q, k, v, causal)
@@ -270,7 +273,8 @@ def test_fp8_attention_quantizes_fp16_q_in_the_kernel(d, causal):
 
     q, k, v = _inputs(1, 8, 2, 1024, 1024, d, torch.float16, seed=d)
     got = fp8_attention(q, k, v, causal=causal)
-    left = hopper_fp8_forward(prepare_fp8(q, k, v, quantize_q=False), causal=causal, out_dtype=torch.float16)
+    left = hopper_fp8_forward(prepare_fp8(q, k, v, quantize_q=False, relabel=True), causal=causal,
+                              out_dtype=torch.float16)
     triton_kernel = fp8_forward(prepare_fp8(q, k, v), causal=causal, out_dtype=torch.float16)
     assert got.dtype == torch.float16 and torch.equal(got, left)
     rms, rms_triton = rms_error(got, q, k, v, causal), rms_error(triton_kernel, q, k, v, causal)
@@ -294,13 +298,13 @@ def test_hopper_fp8_forward_schedule_keeps_its_sums(batch, q_heads, kv_heads, t,
     from flashcourse.engine.fp8 import hopper_fp8_forward, prepare_fp8
 
     q, k, v = _inputs(batch, q_heads, kv_heads, t, s, d, torch.bfloat16, seed=t + s)
-    for inputs in (prepare_fp8(q, k, v), prepare_fp8(q, k, v, quantize_q=False)):
+    for inputs in (prepare_fp8(q, k, v, relabel=True), prepare_fp8(q, k, v, quantize_q=False, relabel=True)):
         for out_dtype in (torch.bfloat16, torch.float16):
             plain = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype, persistent=False, overlap=False,
                                        tma_store=False)
             got = hopper_fp8_forward(inputs, causal=causal, out_dtype=out_dtype)
             assert got.dtype == out_dtype and torch.equal(got, plain)
-    short = prepare_fp8(q[:, :, :t - 32].contiguous(), k, v)   # T - 32: not a multiple of 64
+    short = prepare_fp8(q[:, :, :t - 32].contiguous(), k, v, relabel=True)   # T - 32: not a multiple of 64
     with pytest.raises(ValueError, match="multiple of 64"):
         hopper_fp8_forward(short, causal=causal, tma_store=True)
     assert torch.equal(hopper_fp8_forward(short, causal=causal),

@@ -60,6 +60,7 @@ class Fp8Inputs:
     v_scale: torch.Tensor     # [B, Hkv, ceil(S / block)] FP32
     block: int                # rows per scale
     rotated: bool             # whether Q and K were multiplied by a random rotation first
+    relabelled: bool = False  # whether Vᵀ's keys are in the order hopper_fp8_forward's P holds them (relabel_keys)
 
 
 def fp8_block():
@@ -95,6 +96,7 @@ def quantize_fp8_kernel(
     COLS: tl.constexpr,                      # D, rounded up to a power of two
     E4M3_MAX: tl.constexpr,                  # 448, e4m3's largest finite value
     GPU_ROUNDING: tl.constexpr,              # round by the GPU's conversion (the same bytes, fewer instructions)
+    RELABEL: tl.constexpr,                   # Vᵀ only: row n written to column relabel(n) (see relabel_keys)
 ):
     """One block of `block` rows of one (batch, head): its scale, its largest |x| over 448 (1 for a block of zeros),
     and x / scale clamped to ±448 and rounded to e4m3, in one read of the block and one write."""
@@ -114,16 +116,22 @@ def quantize_fp8_kernel(
         x8 = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:              # the interpreter's conversion rounds wrongly
         x8 = _e4m3_bits(y)
-    tl.store(x8_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od, x8,
+    out_rows = rows
+    if RELABEL:   # within each 16, row 8 h + 2 t + lo to 4 t + 2 h + lo: the same 16, so n_out's mask still holds
+        out_rows = (rows & -16) | ((rows & 6) << 1) | ((rows >> 2) & 2) | (rows & 1)
+    tl.store(x8_ptr + b * stride_ob + h * stride_oh + out_rows[:, None] * stride_on + cols[None, :] * stride_od, x8,
              mask=in_block & (rows < n_out)[:, None])                    # write block·D bytes
     tl.store(scale_ptr + bh * n_blocks + n_block, scale, mask=n_block < n_blocks)
 
 
-def quantize_fp8(x, block, transpose=False):
+def quantize_fp8(x, block, transpose=False, relabel=False):
     """quantize_blocks(x, block) in one kernel: x [B, H, N, D] -> (x8 [B, H, N, D] e4m3, scales [B, H, ceil(N / block)]).
 
-    With transpose, x8 comes as [B, H, D, N16] instead, N padded to a multiple of 16 with zeros: Vᵀ for fp8_fwd_kernel.
+    With transpose, x8 comes as [B, H, D, N16] instead, N padded to a multiple of 16 with zeros: Vᵀ for fp8_fwd_kernel;
+    with relabel too, its columns in relabel_keys's order: Vᵀ for hopper_fp8_forward.
     """
+    if relabel and not transpose:
+        raise ValueError("relabel orders Vᵀ's columns: it needs transpose=True")
     batch, heads, n, d = x.shape
     x = x if x.stride(3) == 1 else x.contiguous()
     n_blocks = triton.cdiv(n, block)
@@ -140,27 +148,28 @@ def quantize_fp8(x, block, transpose=False):
     grid = (triton.cdiv(n_out, block), batch * heads)
     quantize_fp8_kernel[grid](x, x8.view(torch.uint8), scales, x.stride(0), x.stride(1), x.stride(2), *out_strides,
                               heads, n, n_out, n_blocks, block, d, ROWS=rows, COLS=cols, E4M3_MAX=FP8_MAX,
-                              GPU_ROUNDING=not runtime.current().interpret,
+                              GPU_ROUNDING=not runtime.current().interpret, RELABEL=relabel,
                               num_warps=16 if rows * cols >= 16384 else 8 if rows * cols >= 8192 else 4)
     return x8, scales
 
 
-def prepare_fp8(q, k, v, rotation=None, block=None, quantize_q=True):
+def prepare_fp8(q, k, v, rotation=None, block=None, quantize_q=True, relabel=False):
     """Quantize q [B, Hq, T, D], k and v [B, Hkv, S, D] to e4m3 with per-block scales (quantize_fp8, one pass each).
 
     With `rotation` (an orthogonal [D, D], see random_rotation), Q and K are rotated first: (QR)(KR)ᵀ = QKᵀ,
     so the scores do not change, but an outlier in one channel of Q or K is spread over all D channels,
     and the blocks' scales no longer have to make room for it (incoherent processing, FlashAttention-3).
     With quantize_q=False, Q is left as it is (q_scale None) for hopper_fp8_forward, whose consumers quantize it
-    as they load it, one scale a row: one pass over Q fewer.
+    as they load it, one scale a row: one pass over Q fewer. With relabel, Vᵀ's keys come in the order that
+    hopper_fp8_forward reads (relabel_keys), and fp8_forward does not.
     """
     block = fp8_block() if block is None else block
     if rotation is not None:
         q, k = q.float() @ rotation, k.float() @ rotation                   # [B, H, N, D] @ [D, D]
     q8, q_scale = quantize_fp8(q, block) if quantize_q else (q.contiguous(), None)
     k8, k_scale = quantize_fp8(k, block)
-    v_t, v_scale = quantize_fp8(v, block, transpose=True)                   # fp8 products want V's keys contiguous
-    return Fp8Inputs(q8, q_scale, k8, k_scale, v_t, v_scale, block, rotation is not None)
+    v_t, v_scale = quantize_fp8(v, block, transpose=True, relabel=relabel)  # fp8 products want V's keys contiguous
+    return Fp8Inputs(q8, q_scale, k8, k_scale, v_t, v_scale, block, rotation is not None, relabel)
 
 
 @triton.jit
@@ -294,6 +303,8 @@ def fp8_forward(inputs, causal=True, query_offset=None, out_dtype=None):
         raise ValueError(f"{inputs.block} rows per scale: every tile the kernel may use must lie in one scale block")
     if inputs.q_scale is None:
         raise ValueError("fp8_forward reads Q in e4m3: prepare the inputs with prepare_fp8(..., quantize_q=True)")
+    if inputs.relabelled:
+        raise ValueError("fp8_forward reads Vᵀ's keys in order: prepare the inputs with prepare_fp8(..., relabel=False)")
     q8, k8 = inputs.q, inputs.k
     batch, q_heads, t, d = q8.shape
     kv_heads, s = k8.shape[1], k8.shape[2]
@@ -318,18 +329,27 @@ from flashcourse.engine import hopper as step5  # noqa: E402  (step 5's schedule
 HOPPER_FP8_STAGES = 3  # K and Vᵀ tiles in flight: 3 x 2 x 16 KiB at D = 128, with Q's 16 KiB
 
 
-def _hopper_fp8_refusal(inputs, causal, query_offset):
-    """Why step 5's schedule cannot run these prepared inputs (words), or None."""
-    q, k8 = inputs.q, inputs.k
-    T, D, S = q.shape[2], q.shape[3], k8.shape[2]
+def relabel_keys(v_t):
+    """Vᵀ [..., S16] (S16 a multiple of 16) with its key columns relabelled within each 16, as hopper_fp8_forward
+    reads them: column 4 t + 2 h + lo holds key 8 h + 2 t + lo (h, lo in {0, 1}, t in 0..3). quantize_fp8's relabel
+    writes the same bytes in its one pass."""
+    *lead, s16 = v_t.shape
+    keys = v_t.view(torch.uint8).reshape(*lead, s16 // 16, 2, 4, 2)               # [..., S16 / 16, h, t, lo]
+    return keys.transpose(-3, -2).reshape(*lead, s16).contiguous().view(v_t.dtype)  # [..., S16 / 16, t, h, lo]
+
+
+def _hopper_fp8_refusal(q, S, block, q_in_kernel, causal, query_offset):
+    """Why step 5's schedule cannot attend from q [B, Hq, T, D] over S keys with `block` rows per scale, Q left to
+    its consumers to quantize or not (words), or None."""
+    T, D = q.shape[2], q.shape[3]
     if step5.gluon is None or q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "hopper_fp8_forward runs on a Hopper GPU (H100, H200) with Triton's Gluon layer"
-    if D not in (64, 128) or inputs.block != step5.HOPPER_BLOCK_N:
+    if D not in (64, 128) or block != step5.HOPPER_BLOCK_N:
         return (f"hopper_fp8_forward takes D = 64 or 128 and {step5.HOPPER_BLOCK_N} rows per scale; got D = {D}, "
-                f"{inputs.block} rows per scale")
+                f"{block} rows per scale")
     if causal and (S - T if query_offset is None else query_offset) < 0:
         return f"a causal query_offset must be >= 0, got {query_offset}"
-    if inputs.q_scale is None and q.dtype not in (torch.bfloat16, torch.float16):
+    if q_in_kernel and q.dtype not in (torch.bfloat16, torch.float16):
         return f"Q left for the kernel to quantize must be bf16 or fp16, got {q.dtype}"
     return None
 
@@ -339,14 +359,19 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     """Attention from prepared e4m3 inputs (prepare_fp8) through step 5's schedule with FP8=True: o [B, Hq, T, D]
     in out_dtype. ValueError where the schedule does not apply (see _hopper_fp8_refusal): use fp8_forward.
     Where Q was left in bf16 or fp16 (prepare_fp8's quantize_q=False), each consumer quantizes its rows (QQ).
+    Vᵀ's keys must be relabelled (prepare_fp8's relabel=True), in the order its consumers hold P's.
 
     Left None: persistent programs with the overlap across items, and o written by TMA where T is a multiple of 64,
     at every T (each was faster wherever it changed the launch, in `python -m flashcourse.bench.fast
     --fp8-schedule`: FP8's shorter products leave an item's start and end a larger share of its time); the
     ping-pong as hopper_schedule's."""
-    refusal = _hopper_fp8_refusal(inputs, causal, query_offset)
+    refusal = _hopper_fp8_refusal(inputs.q, inputs.k.shape[2], inputs.block, inputs.q_scale is None, causal,
+                                  query_offset)
     if refusal is not None:
         raise ValueError(f"{refusal}: use fp8_forward")
+    if not inputs.relabelled:
+        raise ValueError("hopper_fp8_forward reads Vᵀ's keys relabelled: prepare the inputs with "
+                         "prepare_fp8(..., relabel=True)")
     gl = step5.gl
     q, k8 = inputs.q, inputs.k
     in_kernel = inputs.q_scale is None                                  # Q quantized by the consumers
@@ -365,7 +390,7 @@ def hopper_fp8_forward(inputs, causal=True, query_offset=None, out_dtype=torch.b
     q_dtype = step5.gluon_dtype(q.dtype) if in_kernel else gl.float8e4nv
     q_desc = descriptor(q.view(B * Hq * T, D), q_block, q_dtype)
     k_desc = descriptor(k8.view(B * Hkv * S, D), [step5.HOPPER_BLOCK_N, D])
-    vt_desc = descriptor(inputs.v_t.view(B * Hkv * D, -1), [D, step5.HOPPER_BLOCK_N])   # Vᵀ [B*Hkv*D, S16]
+    vt_desc = descriptor(inputs.v_t.view(B * Hkv * D, -1), [D, step5.HOPPER_BLOCK_N])   # Vᵀ [B*Hkv*D, S16], relabelled
     o = torch.empty(q.shape, device=q.device, dtype=out_dtype)          # [B, Hq, T, D]
     tma_store, o_desc = step5._o_descriptor(o, tma_store, "hopper_fp8_forward")
     items = triton.cdiv(T, step5.HOPPER_BLOCK_M) * B * Hq
@@ -390,9 +415,9 @@ def fp8_attention(q, k, v, causal=True, query_offset=None, rotation=None):
     if TensorDescriptor is None:
         raise ValueError("the FP8 kernel needs tensor descriptors (Triton 3.4 or later)")
     out_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
-    inputs = prepare_fp8(q, k, v, rotation, quantize_q=rotation is not None or out_dtype is None)
-    if _hopper_fp8_refusal(inputs, causal, query_offset) is None:
+    block = fp8_block()
+    q_in_kernel = rotation is None and out_dtype is not None
+    if _hopper_fp8_refusal(q, k.shape[2], block, q_in_kernel, causal, query_offset) is None:
+        inputs = prepare_fp8(q, k, v, rotation, block, quantize_q=not q_in_kernel, relabel=True)
         return hopper_fp8_forward(inputs, causal, query_offset, out_dtype or torch.bfloat16)
-    if inputs.q_scale is None:                                          # fp8_forward reads Q in e4m3
-        inputs.q, inputs.q_scale = quantize_fp8(q, inputs.block)
-    return fp8_forward(inputs, causal, query_offset, out_dtype)
+    return fp8_forward(prepare_fp8(q, k, v, rotation, block), causal, query_offset, out_dtype)

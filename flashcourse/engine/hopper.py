@@ -247,6 +247,25 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
 
     @gluon.jit
+    def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, s_layout: gl.constexpr, FP8: gl.constexpr,
+                   ITEM_END: gl.constexpr):
+        # P [WG_M, BLOCK_N] FP32 as the first operand of P V, in dtype. Under FP8 its keys are relabelled within each
+        # 16: the score a thread holds at column 8 h + 2 t + lo goes to operand column 4 t + 2 h + lo, the column that
+        # the 8-bit operand's layout gives the same thread, so the conversion moves no value between threads (Vᵀ's
+        # keys are stored in that order: relabel_keys). At an item's end the relabelled bytes go through P's own
+        # layout first: converted straight to the operand there, ptxas serialized the overlap's wgmma (C7512).
+        M: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        if FP8:
+            if ITEM_END:
+                p = p.to(dtype).reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])
+                p = gl.convert_layout(p, s_layout)
+            else:
+                p = p.reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])
+        return gl.convert_layout(p.to(dtype), p_layout)
+
+
+    @gluon.jit
     def _hopper_pv(p_op, v_smem, slot, acc, FP8: gl.constexpr):
         # Issue acc += P V with V's tile in ring slot `slot`. Under FP8 the second operand is K-major, as 8-bit
         # wgmma asks: Vᵀ's tile seen as [BLOCK_N, D]. The tile is taken here, in the branch that issues the
@@ -271,7 +290,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         prev = (t + j - 1) % STAGES
         mbarrier.wait(k_full.index(cur), ((t + j) // STAGES) & 1)
         mbarrier.wait(v_full.index(prev), ((t + j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(q_wg.dtype), p_layout)
+        p_op = _p_operand(p, q_wg.dtype, p_layout, s_layout, FP8, False)
         _take_turn(turns, k, WG, PINGPONG)
         s_tok = warpgroup_mma(q_wg, k_smem.index(cur).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = _hopper_pv(p_op, v_smem, prev, acc, FP8)
@@ -417,7 +436,7 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
 
             last = (t + n_tiles - 1) % STAGES
             mbarrier.wait(v_full.index(last), ((t + n_tiles - 1) // STAGES) & 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            p_op = _p_operand(p, dtype, p_layout, s_layout, FP8, True)
             t += n_tiles
             done += 1
             l_out = l                             # this item's results, before the next item's replace them
