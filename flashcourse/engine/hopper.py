@@ -256,13 +256,12 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         # layout first: converted straight to the operand there, ptxas serialized the overlap's wgmma (C7512).
         M: gl.constexpr = p.shape[0]
         N: gl.constexpr = p.shape[1]
+        p = p.to(dtype)
         if FP8:
+            p = p.reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])   # (h, t, lo) -> (t, h, lo)
             if ITEM_END:
-                p = p.to(dtype).reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])
                 p = gl.convert_layout(p, s_layout)
-            else:
-                p = p.reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N])
-        return gl.convert_layout(p.to(dtype), p_layout)
+        return gl.convert_layout(p, p_layout)
 
 
     @gluon.jit
