@@ -513,7 +513,8 @@ if gluon is not None:  # the kernel's functions exist where Gluon does
         PINGPONG: gl.constexpr,
         PERSISTENT: gl.constexpr,
         STORE_LSE: gl.constexpr = False,
-        FP8: gl.constexpr = False,               # step 6: q, k in e4m3, v_desc over Vᵀ [B*Hkv*D, S16] in e4m3
+        FP8: gl.constexpr = False,               # step 6: q, k in e4m3, v_desc over Vᵀ [B*Hkv*D, S16] in e4m3, its
+                                                 # keys relabelled (relabel_keys)
         P_SHIFT: gl.constexpr = 0,               # FP8: P computed as 2^P_SHIFT · P
         CONSUMERS: gl.constexpr = 2,             # consumer warpgroups, WG_M query rows each (3: D = 64, not FP8)
         OVERLAP: gl.constexpr = False,           # the next item's first S beside this item's last P V
