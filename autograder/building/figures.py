@@ -57,6 +57,7 @@ FP8_RUN_A = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-a.json"  # 08
 FP8_RUN_B = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-b.json"  # 08: and the run after it
 FP8_SASS = "benchmarks/results/2026-12-07-h100-fp8-sass-stalls.json"  # 08: FP8 and bf16 by SASS opcode
 FP8_RELABELLED = "benchmarks/results/2026-12-07-h100-fp8-relabelled-keys.json"  # 08: P's keys relabelled
+FP8_LANDED = "benchmarks/results/2026-12-07-h100-fp8-relabelled-landed.json"  # 08: the same in the course's kernel
 PV_FIRST_SWAPPED = "benchmarks/results/2026-12-07-h100-fp8-pv-first-backward-swapped-d64.json"  # 08: two variants
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
 CONSUMERS_SPLIT = "benchmarks/results/2026-12-06-h100-hopper-consumers-after-split.json"  # 08: the same, later
@@ -436,6 +437,8 @@ _FP8_Q_LEFT_OVER_WHOLE = ("FP8 Gluon kernel, Q in bf16", "FP8 Gluon kernel")
 
 # --fp8-schedule's default column over step 5's choice, over bf16, over cuDNN (its rows: "fp8_schedule")
 _PV_FIRST_OVER_FP8 = ("pv first", "fp8_attention", "pv_first")   # PV_FIRST_SWAPPED: the last P V first
+_LANDED_OVER_BEFORE = ("relabelled", "before", "rows")          # FP8_LANDED: the kernel over the one before it
+_LANDED_OVER_BF16 = ("relabelled", "hopper_attention", "rows")   # FP8_LANDED: the kernel over bf16 hopper_attention
 _FP8_DEFAULT_OVER_STEP_5 = ("+ o by TMA", "FP8, step 5's choice", "fp8_schedule")
 _FP8_DEFAULT_OVER_BF16 = ("+ o by TMA", "hopper_attention", "fp8_schedule")
 _FP8_DEFAULT_OVER_CUDNN = ("+ o by TMA", "SDPA cuDNN", "fp8_schedule")
@@ -960,6 +963,14 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.relabel.max": Figure(FP8_RELABELLED, lambda d: max(_relabelled_over(d, "kernel")), 2),
     "gap.fp8.relabel.over_hopper_min": Figure(FP8_RELABELLED, lambda d: min(_relabelled_over(d, "hopper_attention")), 2),
     "gap.fp8.relabel.over_hopper_max": Figure(FP8_RELABELLED, lambda d: max(_relabelled_over(d, "hopper_attention")), 2),
+    "gap.fp8.landed.d128_min": Figure(FP8_LANDED, lambda d: min(_over(d, *_LANDED_OVER_BEFORE, d=128)), 3),
+    "gap.fp8.landed.d128_max": Figure(FP8_LANDED, lambda d: max(_over(d, *_LANDED_OVER_BEFORE, d=128)), 2),
+    "gap.fp8.landed.d64_min": Figure(FP8_LANDED, lambda d: min(_over(d, *_LANDED_OVER_BEFORE, d=64)), 2),
+    "gap.fp8.landed.d64_max": Figure(FP8_LANDED, lambda d: max(_over(d, *_LANDED_OVER_BEFORE, d=64)), 2),
+    "gap.fp8.landed.over_hopper_min": Figure(FP8_LANDED, lambda d: min(_over(d, *_LANDED_OVER_BF16, d=128)), 2),
+    "gap.fp8.landed.over_hopper_max": Figure(FP8_LANDED, lambda d: max(_over(d, *_LANDED_OVER_BF16, d=128)), 2),
+    "gap.fp8.landed.same_bits": Figure(FP8_LANDED, lambda d: sum(c["same bits"] for c in d["checks"])
+                                       + sum(r["same_bits"] for r in d["rows"])),
     "hbwd.swap64.min": Figure(PV_FIRST_SWAPPED, lambda d: min(_swapped_over_kernel(d, 4096)), 2),
     "hbwd.swap64.max": Figure(PV_FIRST_SWAPPED, lambda d: max(_swapped_over_kernel(d, 4096)), 2),
     "gap.fp8.schedule.gain_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
