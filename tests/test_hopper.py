@@ -567,9 +567,8 @@ triton.runtime.driver.set_active(Sm90Driver())
 """
 
 SM90_SASS = """
-def loops_without_selects(cubin):
-    # The SASS loops (a branch back to a label) that hold wgmma (HGMMA) and no select (SEL, FSEL): a mask compiles
-    # into selects on every score, so these are tile loops without mask code
+def wgmma_loops(cubin):
+    # The SASS loops (a branch back to a label) that hold wgmma (HGMMA in 16 bits, QGMMA in 8), each a list of lines
     path = os.path.join(os.environ["TRITON_CACHE_DIR"], "kernel.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
@@ -582,13 +581,26 @@ def loops_without_selects(cubin):
             labels[label.group(1)] = len(code)
         elif re.match(r"\\s+/\\*[0-9a-f]{4,}\\*/", line):
             code.append(line)
-    count = 0
+    loops = []
     for end, line in enumerate(code):
         target = re.search(r"BRA[^;]*?(\\.L_x_\\d+)", line)
         if target and labels.get(target.group(1), end) < end:
             body = code[labels[target.group(1)]:end + 1]
-            count += any("HGMMA" in x for x in body) and not any(re.search(r"\\bF?SEL\\b", x) for x in body)
-    return count
+            if any("GMMA" in x for x in body):
+                loops.append(body)
+    return loops
+
+
+def loops_without_selects(cubin):
+    # The 16-bit wgmma loops with no select (SEL, FSEL): a mask compiles into selects on every score, so these are
+    # tile loops without mask code
+    return sum(any("HGMMA" in x for x in body) and not any(re.search(r"\\bF?SEL\\b", x) for x in body)
+               for body in wgmma_loops(cubin))
+
+
+def tile_loop_shuffles(cubin):
+    # The shuffles (SHFL) in the shortest wgmma loop, the tile loop: values moved between a warp's threads
+    return sum("SHFL" in x for x in min(wgmma_loops(cubin), key=len))
 
 
 """
@@ -639,7 +651,8 @@ for d, causal, pingpong, persistent, store_lse, fp8, consumers, overlap, tma_sto
                     "tma_stores": ptx.count("cp.async.bulk.tensor.2d.global.shared"),
                     "registers": sorted({int(n) for n in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+)",
                                                                      ptx)}),
-                    "loops_without_selects": loops_without_selects(compiled.asm["cubin"])})
+                    "loops_without_selects": loops_without_selects(compiled.asm["cubin"]),
+                    "tile_loop_shuffles": tile_loop_shuffles(compiled.asm["cubin"])})
 print(json.dumps(results))
 """
 
@@ -652,7 +665,8 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     the overlap across items too, and o written by TMA copies (and only there), the overlap's two Q buffers and
     o's buffers side by side being the most shared memory any schedule asks for, and with FP8's Q quantized in the
     kernel (QQ), whose bf16 Q buffers and e4m3 copies take more than the same schedule's e4m3 Q. Without the overlap
-    ptxas does not serialize the products for want of registers (its warning C7512). In bf16 without
+    ptxas does not serialize the products for want of registers (its warning C7512). The tile loop shuffles no
+    more than its row reductions need, in FP8 too (P's relabelled keys stay in their threads). In bf16 without
     the overlap its SASS holds a tile loop with no select (the tiles every row sees whole, without mask code);
     under the overlap, where one loop decides each tile's mask, none."""
     import json
@@ -690,6 +704,10 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         # 3.6's ptxas does not either (FP8's P relabelled at an item's end through its own layout), but Triton 3.9's
         # serializes every overlapped schedule, so there it is not asserted
         assert result["ptxas_log"] and (config[7] or not result["serialized"]), (config, result)
+        # the tile loop shuffles at most what its row reductions need (max and sum: two rows a thread, two shuffles
+        # each); in FP8 too, whose P keeps its values in each thread as it becomes the 8-bit operand (P's keys
+        # relabelled): carrying P across took 24 in the kernel before (Triton 3.9, the default FP8 launch)
+        assert result["tile_loop_shuffles"] <= 8, (config, result)
         consumer_registers, other = (160, 232) if config[6] == 3 else (232, 160)
         assert consumer_registers in result["registers"] and other not in result["registers"], (config, result)
         # without the overlap, the tiles every row sees whole run in a loop of their own with no mask code; under
