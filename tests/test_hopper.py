@@ -158,8 +158,8 @@ def test_prepare_fp8_matches_its_pytorch_path(rotate):
 
 def test_relabel_keys_is_the_operand_order():
     """relabel_keys moves key 8 h + 2 t + lo of each 16 to column 4 t + 2 h + lo (the order in which a thread of the
-    8-bit wgmma's P operand holds its values), across batch and heads, and the padding's zeros stay zeros; refused
-    where it does not apply (relabelled Vᵀ in fp8_forward, relabel without the transpose)."""
+    8-bit wgmma's P operand holds its values), across batch and heads; refused where it does not apply (relabelled
+    Vᵀ in fp8_forward, relabel without the transpose)."""
     from flashcourse.engine.fp8 import FP8, fp8_forward, prepare_fp8, quantize_fp8, relabel_keys
 
     v_t = torch.arange(48, dtype=torch.uint8).expand(2, 3, 4, 48).contiguous().view(FP8)  # key n holds the byte n
