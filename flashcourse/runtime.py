@@ -54,15 +54,39 @@ def _choose() -> Runtime:
     if not interprets():
         name = torch.cuda.get_device_name()
         major, _ = torch.cuda.get_device_capability()
+        pinned = pin_hopper_ptxas() if major == 9 else None
         # bf16 tensor cores arrive with Ampere (sm_80); a T4 (sm_75) gets fp16.
         dtype = torch.bfloat16 if major >= 8 else torch.float16
         line = f"flashcourse: GPU {name}, Triton kernels compiled, dtype {str(dtype).removeprefix('torch.')}"
+        if pinned:
+            line += ", sm_90 assembled by the CUDA 12 ptxas Triton ships (pin_hopper_ptxas)"
         return Runtime("cuda", dtype, False, colab, line)
     os.environ["TRITON_INTERPRET"] = "1"
     _without_overflow_checks()
     why = f"{DEVICE_ENV}=cpu" if wanted == "cpu" else "no GPU found"
     line = f"flashcourse: {why}, Triton kernels run in the interpreter on the CPU, dtype float32"
     return Runtime("cpu", torch.float32, True, colab, line)
+
+
+def pin_hopper_ptxas() -> str | None:
+    """Have Triton assemble Hopper (sm_90) kernels with the CUDA 12 ptxas it ships where it would use CUDA 13's,
+    and return that ptxas's path (None where nothing changed). Triton 3.9 assembles sm_90 with CUDA 13.4's ptxas,
+    which serializes the wgmma of 08's kernel wherever items overlap, for want of registers (its warning C7512:
+    each product waits for the one before); CUDA 12.9's, shipped beside it, does not serialize the same kernel.
+    A ptxas named in TRITON_PTXAS_BLACKWELL_PATH, the variable this sets, is left as it is."""
+    if os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"):
+        return None
+    try:  # a Triton without knobs or get_ptxas assembles as it will
+        from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        hopper, cuda12 = get_ptxas(90), knobs.nvidia.ptxas
+    except (ImportError, RuntimeError):  # RuntimeError: a Triton that ships no CUDA 12 ptxas
+        return None
+    if hopper.path == cuda12.path or int(hopper.version.split(".")[0]) < 13 or not cuda12.version.startswith("12."):
+        return None
+    knobs.nvidia.ptxas_blackwell = cuda12.path
+    return cuda12.path
 
 
 def _without_overflow_checks() -> None:

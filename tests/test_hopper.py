@@ -613,12 +613,14 @@ import triton  # imported before the course's runtime turns the interpreter on (
 from triton.experimental.gluon import language  # Gluon's own standard functions are compiled ones
 from triton.backends.compiler import GPUTarget
 
+from flashcourse import runtime
 from flashcourse.engine import hopper as fk
 
 if fk.gluon is None:
     print(json.dumps({"no gluon": triton.__version__}))
     sys.exit(0)
 os.environ["TRITON_INTERPRET"] = "0"
+runtime.pin_hopper_ptxas()  # as the runtime does on a Hopper GPU
 
 """ + SM90_DRIVER + SM90_SASS + """gl, results = fk.gl, []
 
@@ -657,6 +659,46 @@ print(json.dumps(results))
 """
 
 
+PIN_PTXAS = """
+import json, os
+from triton.backends.nvidia.compiler import get_ptxas
+from flashcourse import runtime
+
+before = get_ptxas(90)
+pinned = runtime.pin_hopper_ptxas()
+print(json.dumps({"before": before.version, "after": get_ptxas(90).version, "pinned": pinned,
+                  "variable": os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"), "again": runtime.pin_hopper_ptxas()}))
+"""
+
+
+def test_hopper_kernels_are_assembled_by_cuda_12s_ptxas():
+    """pin_hopper_ptxas leaves sm_90 to a CUDA 12 ptxas, the one this Triton ships, whichever it would use (Triton
+    3.9 took CUDA 13.4's, which serialized the overlapped schedules' products: the compile test above), and says
+    so in TRITON_PTXAS_BLACKWELL_PATH for the processes it starts; a ptxas named there already is kept."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    triton_nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
+    if not hasattr(triton_nvidia, "get_ptxas"):
+        pytest.skip("this Triton has no get_ptxas: it chooses its ptxas itself")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_BLACKWELL_PATH")}
+    done = subprocess.run([sys.executable, "-c", PIN_PTXAS], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["after"].startswith("12."), result
+    assert result["again"] is None, result                          # pinned once
+    if result["before"].startswith("12."):
+        assert result["pinned"] is None and result["variable"] is None, result
+    else:
+        assert result["pinned"] and result["variable"] == result["pinned"], result
+    kept = subprocess.run([sys.executable, "-c", PIN_PTXAS], capture_output=True, text=True, timeout=300,
+                          env=env | {"TRITON_PTXAS_BLACKWELL_PATH": "/nonexistent/ptxas"})
+    assert kept.returncode == 0, kept.stderr[-3000:]
+    assert json.loads(kept.stdout.strip().splitlines()[-1])["pinned"] is None
+
+
 def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     """hopper_fwd_kernel compiles to an sm_90 binary with this machine's Triton and no GPU (a stand-in driver names
     the target, Triton's own ptxas assembles it, in a fresh cache): a Gluon name that moved, as the TMA load did in
@@ -664,8 +706,9 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     there), fits in shared memory and gives its consumers 232 registers, or 160 when there are three; with
     the overlap across items too, and o written by TMA copies (and only there), the overlap's two Q buffers and
     o's buffers side by side being the most shared memory any schedule asks for, and with FP8's Q quantized in the
-    kernel (QQ), whose bf16 Q buffers and e4m3 copies take more than the same schedule's e4m3 Q. Without the overlap
-    ptxas does not serialize the products for want of registers (its warning C7512). The tile loop shuffles no
+    kernel (QQ), whose bf16 Q buffers and e4m3 copies take more than the same schedule's e4m3 Q. With the ptxas the
+    runtime pins, ptxas does not serialize the products for want of registers (its warning C7512) but where three
+    consumers overlap items, a pair never launched. The tile loop shuffles no
     more than its row reductions need, in FP8 too (P's relabelled keys stay in their threads). In bf16 without
     the overlap its SASS holds a tile loop with no select (the tiles every row sees whole, without mask code);
     under the overlap, where one loop decides each tile's mask, none."""
@@ -700,10 +743,11 @@ def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
         assert (result["e4m3"] == result["wgmma"]) if config[5] else not result["e4m3"], (config, result)
         assert result["shared"] <= 227 * 1024, (config, result)
         assert (result["tma_stores"] > 0) == config[8], (config, result)
-        # ptxas does not serialize the products for want of registers (C7512) without the overlap; with it, Triton
-        # 3.6's ptxas does not either (FP8's P relabelled at an item's end through its own layout), but Triton 3.9's
-        # serializes every overlapped schedule, so there it is not asserted
-        assert result["ptxas_log"] and (config[7] or not result["serialized"]), (config, result)
+        # ptxas does not serialize the products for want of registers (C7512), in FP8 too (its P relabelled at an
+        # item's end through its own layout), but for three consumers with the overlap, a pair hopper_attention
+        # never launches (hopper_consumers, hopper_overlap); CUDA 13.4's ptxas, Triton 3.9's own for sm_90,
+        # serialized every overlapped schedule: the runtime pins CUDA 12's (pin_hopper_ptxas)
+        assert result["ptxas_log"] and (config[6] == 3 and config[7] or not result["serialized"]), (config, result)
         # the tile loop shuffles at most what its row reductions need (max and sum: two rows a thread, two shuffles
         # each); in FP8 too, whose P keeps its values in each thread as it becomes the 8-bit operand (P's keys
         # relabelled): carrying P across took 24 in the kernel before (Triton 3.9, the default FP8 launch)
@@ -726,12 +770,14 @@ import triton  # imported before the course's runtime turns the interpreter on, 
 from triton.experimental.gluon import language
 from triton.backends.compiler import GPUTarget
 
+from flashcourse import runtime
 from flashcourse.engine import hopper_backward as hb
 
 if hb.gluon is None:
     print(json.dumps({"no gluon": triton.__version__}))
     sys.exit(0)
 os.environ["TRITON_INTERPRET"] = "0"
+runtime.pin_hopper_ptxas()  # as the runtime does on a Hopper GPU
 
 """ + SM90_DRIVER + SM90_SASS + """results = []
 for kernel, d, causal, atomic, regs in json.loads(sys.argv[1]):
