@@ -58,6 +58,8 @@ FP8_RUN_B = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-run-b.json"  # 08
 FP8_SASS = "benchmarks/results/2026-12-07-h100-fp8-sass-stalls.json"  # 08: FP8 and bf16 by SASS opcode
 FP8_RELABELLED = "benchmarks/results/2026-12-07-h100-fp8-relabelled-keys.json"  # 08: P's keys relabelled
 FP8_LANDED = "benchmarks/results/2026-12-07-h100-fp8-relabelled-landed.json"  # 08: the same in the course's kernel
+FP8_LANDED_END = "benchmarks/results/2026-12-07-h100-fp8-end-to-end-relabelled.json"  # 08: fp8_attention with it
+TRITON39_PTXAS = "benchmarks/results/2026-12-07-h100-triton39-ptxas.json"  # 08: Triton 3.9's PTX, each ptxas
 PV_FIRST_SWAPPED = "benchmarks/results/2026-12-07-h100-fp8-pv-first-backward-swapped-d64.json"  # 08: two variants
 KEY_TILES_64 = "benchmarks/results/2026-12-06-h100-forward-d64-key-tiles.json"  # 08: D = 64, tiles of 64 keys
 CONSUMERS_SPLIT = "benchmarks/results/2026-12-06-h100-hopper-consumers-after-split.json"  # 08: the same, later
@@ -276,6 +278,14 @@ def _over(data, name: str, under: str, rows: str = "fp8_prepare", **match) -> li
     """`name`'s TFLOP/s over `under`'s, at every row of data[rows] whose fields equal match's (by default the
     --fp8-prepare rows, where "fp8_attention" is end to end, from bf16)."""
     return [r[name] / r[under] for r in data[rows] if _matches(r, match)]
+
+
+def _assembled_over(data, way: str, under: str) -> list[float]:
+    """Per config of TRITON39_PTXAS, the kernel's mean TFLOP/s over its processes assembled `way` over the same
+    assembled `under` ("native", "39": CUDA 13.4's ptxas, "39w": CUDA 12.9's)."""
+    def mean(config, how):
+        return statistics.mean(r["kernel"] for r in data["rows"] if (r["config"], r["assembled"]) == (config, how))
+    return [mean(config, way) / mean(config, under) for config in data["configs"]]
 
 
 def _groups_over_fast(data) -> list[float]:
@@ -971,6 +981,17 @@ FIGURES: dict[str, Figure] = {
     "gap.fp8.landed.over_hopper_max": Figure(FP8_LANDED, lambda d: max(_over(d, *_LANDED_OVER_BF16, d=128)), 2),
     "gap.fp8.landed.same_bits": Figure(FP8_LANDED, lambda d: sum(c["same bits"] for c in d["checks"])
                                        + sum(r["same_bits"] for r in d["rows"])),
+    "gap.fp8.landed_end.end_to_end_4k": Figure(FP8_LANDED_END, lambda d: _end_to_end(d, 4096), 2),
+    "gap.fp8.landed_end.end_to_end_max": Figure(FP8_LANDED_END,
+                                                lambda d: max(_over(d, "fp8_attention", "hopper_attention")), 2),
+    "gap.fp8.landed_end.kernel_min": Figure(FP8_LANDED_END,
+                                            lambda d: min(_over(d, "FP8 Gluon kernel, Q in bf16", "hopper_attention")), 2),
+    "gap.fp8.landed_end.kernel_max": Figure(FP8_LANDED_END,
+                                            lambda d: max(_over(d, "FP8 Gluon kernel, Q in bf16", "hopper_attention")), 2),
+    "hopper.ptxas.serialized_min": Figure(TRITON39_PTXAS, lambda d: min(_assembled_over(d, "39", "39w")), 2),
+    "hopper.ptxas.serialized_max": Figure(TRITON39_PTXAS, lambda d: max(_assembled_over(d, "39", "39w")), 2),
+    "hopper.ptxas.pinned_of_native_min": Figure(TRITON39_PTXAS, lambda d: min(_assembled_over(d, "39w", "native")), 2),
+    "hopper.ptxas.pinned_of_native_max": Figure(TRITON39_PTXAS, lambda d: max(_assembled_over(d, "39w", "native")), 2),
     "hbwd.swap64.min": Figure(PV_FIRST_SWAPPED, lambda d: min(_swapped_over_kernel(d, 4096)), 2),
     "hbwd.swap64.max": Figure(PV_FIRST_SWAPPED, lambda d: max(_swapped_over_kernel(d, 4096)), 2),
     "gap.fp8.schedule.gain_min": Figure(FP8_SCHEDULE, lambda d: min(_over(d, *_FP8_DEFAULT_OVER_STEP_5)), 2),
