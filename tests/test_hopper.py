@@ -664,9 +664,15 @@ import json, os
 from triton.backends.nvidia.compiler import get_ptxas
 from flashcourse import runtime
 
+from triton import knobs
+
+try:
+    cuda12 = knobs.nvidia.ptxas.version
+except RuntimeError:  # this Triton ships no separate ptxas for older targets
+    cuda12 = None
 before = get_ptxas(90)
 pinned = runtime.pin_hopper_ptxas()
-print(json.dumps({"before": before.version, "after": get_ptxas(90).version, "pinned": pinned,
+print(json.dumps({"before": before.version, "after": get_ptxas(90).version, "pinned": pinned, "cuda12": cuda12,
                   "variable": os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"), "again": runtime.pin_hopper_ptxas()}))
 """
 
@@ -687,6 +693,9 @@ def test_hopper_kernels_are_assembled_by_cuda_12s_ptxas():
     done = subprocess.run([sys.executable, "-c", PIN_PTXAS], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not (result["cuda12"] or "").startswith("12."):
+        assert result["pinned"] is None and result["after"] == result["before"], result
+        pytest.skip(f"this Triton ships no CUDA 12 ptxas ({result}): sm_90 is assembled as it chooses")
     assert result["after"].startswith("12."), result
     assert result["again"] is None, result                          # pinned once
     if result["before"].startswith("12."):
