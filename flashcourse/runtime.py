@@ -83,7 +83,7 @@ def pin_hopper_ptxas() -> str | None:
         hopper, cuda12 = get_ptxas(90), knobs.nvidia.ptxas
     except (ImportError, RuntimeError):  # RuntimeError: a Triton that ships no CUDA 12 ptxas
         return None
-    if hopper.path == cuda12.path or int(hopper.version.split(".")[0]) < 13 or not cuda12.version.startswith("12."):
+    if int(hopper.version.split(".")[0]) < 13 or not cuda12.version.startswith("12."):
         return None
     knobs.nvidia.ptxas_blackwell = cuda12.path
     return cuda12.path

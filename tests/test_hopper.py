@@ -661,10 +661,11 @@ print(json.dumps(results))
 
 PIN_PTXAS = """
 import json, os
-from triton.backends.nvidia.compiler import get_ptxas
-from flashcourse import runtime
 
 from triton import knobs
+from triton.backends.nvidia.compiler import get_ptxas
+
+from flashcourse import runtime
 
 try:
     cuda12 = knobs.nvidia.ptxas.version
