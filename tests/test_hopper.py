@@ -690,10 +690,13 @@ def test_hopper_kernels_are_assembled_by_cuda_12s_ptxas():
     triton_nvidia = pytest.importorskip("triton.backends.nvidia.compiler")
     if not hasattr(triton_nvidia, "get_ptxas"):
         pytest.skip("this Triton has no get_ptxas: it chooses its ptxas itself")
+    def pin_in_a_fresh_process(env):
+        done = subprocess.run([sys.executable, "-c", PIN_PTXAS], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_PTXAS_BLACKWELL_PATH")}
-    done = subprocess.run([sys.executable, "-c", PIN_PTXAS], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = pin_in_a_fresh_process(env)
     if not (result["cuda12"] or "").startswith("12."):
         assert result["pinned"] is None and result["after"] == result["before"], result
         pytest.skip(f"this Triton ships no CUDA 12 ptxas ({result}): sm_90 is assembled as it chooses")
@@ -703,10 +706,7 @@ def test_hopper_kernels_are_assembled_by_cuda_12s_ptxas():
         assert result["pinned"] is None and result["variable"] is None, result
     else:
         assert result["pinned"] and result["variable"] == result["pinned"], result
-    kept = subprocess.run([sys.executable, "-c", PIN_PTXAS], capture_output=True, text=True, timeout=300,
-                          env=env | {"TRITON_PTXAS_BLACKWELL_PATH": "/nonexistent/ptxas"})
-    assert kept.returncode == 0, kept.stderr[-3000:]
-    assert json.loads(kept.stdout.strip().splitlines()[-1])["pinned"] is None
+    assert pin_in_a_fresh_process(env | {"TRITON_PTXAS_BLACKWELL_PATH": "/nonexistent/ptxas"})["pinned"] is None
 
 
 def test_hopper_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
